@@ -1,0 +1,132 @@
+"""Llama-family decoder in Flax NNX with explicit positions, a new-token mask and a static KV cache.
+
+`forward(graphdef, params, tokens_BT, positions_BT, cache, mask_BTT)` is the pure function every
+decoding loop calls; the NNX module only defines parameters and the computation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.cache import KVCache
+from specjax.models.config import LlamaConfig
+
+
+@struct.dataclass
+class Hidden:
+    final: jax.Array  # [B, T, dim] after the final norm (the feature the LM head reads)
+    taps: tuple[jax.Array, ...] = ()  # residual stream after each requested layer
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE; x [B, T, heads, D], cos/sin [B, T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        hd = cfg.head_dim
+        linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs,
+                                               kernel_init=nnx.initializers.normal(0.02))
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.wqkv = linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.qkv_bias)
+        self.wo = linear(cfg.n_heads * hd, cfg.dim, cfg.o_bias)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.w_gate_up = linear(cfg.dim, 2 * cfg.hidden_dim, False)
+        self.w_down = linear(cfg.hidden_dim, cfg.dim, False)
+
+    def __call__(self, x_BTD, cos, sin, cache: KVCache, visible_BTS):
+        b, t, _ = x_BTD.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(self.attn_norm(x_BTD))
+        q = apply_rope(qkv[..., : h * hd].reshape(b, t, h, hd), cos, sin)
+        k = apply_rope(qkv[..., h * hd: (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
+        v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
+        cache = cache.write(self.layer, k, v)
+        k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B, S, kv, hd]
+        q = q.reshape(b, t, kv, h // kv, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all, preferred_element_type=jnp.float32)
+        scores = scores * (hd ** -0.5)
+        scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(b, t, h * hd)
+        x_BTD = x_BTD + self.wo(attn)
+        gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTD)), 2, axis=-1)
+        return x_BTD + self.w_down(jax.nn.silu(gate) * up), cache
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer: embed -> blocks -> norm -> LM head (tied or untied)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=dt, param_dtype=dt, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.dim, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs,
+            kernel_init=nnx.initializers.normal(0.02))
+        self.inv_freq = tuple(float(f) for f in cfg.inv_freq())  # static, not a parameter
+
+    def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTT, taps: tuple[int, ...] = ()):
+        b, t = tokens_BT.shape
+        mask_BTT = jnp.broadcast_to(mask_BTT, (b, t, t))
+        angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        visible = cache.visible(mask_BTT)
+        x = self.embed(tokens_BT)
+        tapped = []
+        for i, block in enumerate(self.layers):
+            x, cache = block(x, cos, sin, cache, visible)
+            if i in taps:
+                tapped.append(x)
+        final = self.norm(x)
+        logits = self.embed.attend(final) if self.lm_head is None else self.lm_head(final)
+        return logits.astype(jnp.float32), Hidden(final, tuple(tapped)), cache
+
+
+def forward(graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTT, taps: tuple[int, ...] = ()):
+    """Pure forward: `(logits[B,T,V] float32, Hidden, cache with the T new keys/values written)`.
+
+    The cache's committed length is unchanged: commit with `cache.advance`, or keep a subset with
+    `cache.compact`. `mask_BTT` ([T, T] or [B, T, T], bool) says which new tokens each new token sees.
+    """
+    return nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache, mask_BTT, taps)
+
+
+def causal_mask(t: int) -> jax.Array:
+    return jnp.tril(jnp.ones((t, t), bool))
+
+
+def abstract_model(cfg: LlamaConfig):
+    """(graphdef, abstract params) without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0):
+    """(graphdef, random params): for tests and random-weight benchmark shapes."""
+    return nnx.split(Llama(cfg, nnx.Rngs(seed)))
+
+
+def init_cache(cfg: LlamaConfig, batch: int, size: int) -> KVCache:
+    return KVCache.init(cfg.n_layers, batch, size, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))

@@ -1,0 +1,109 @@
+"""Finding and loading a model with its tokenizer: Hugging Face dirs, llama2.c files, specjax Orbax dirs.
+
+Resolution of the default demo model (`stories260K`), first match wins:
+  1. an explicit path;
+  2. `$SPECJAX_MODELS/stories260K`, then the repository's sibling `../shared/models/stories260K`;
+  3. a download of the llama2.c files from the Hugging Face hub (`karpathy/tinyllamas`) into its cache.
+Any other name that is not a local path is treated as a hub repository id (safetensors format).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from specjax import checkpoint
+from specjax.models.config import LlamaConfig
+from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
+from specjax.tokenizer import HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer
+
+DEFAULT_MODEL = "stories260K"
+HUB_REPO, HUB_FILES = "karpathy/tinyllamas", ("stories260K/stories260K.bin", "stories260K/tok512.model")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    cfg: LlamaConfig
+    graphdef: object
+    params: object
+    tokenizer: Tokenizer
+    path: Path
+
+
+def resolve(name: str | None = None) -> Path:
+    """A local path for `name` (a path, 'stories260K', or a hub repo id), downloading if needed."""
+    name = name or DEFAULT_MODEL
+    if Path(name).expanduser().exists():
+        return Path(name).expanduser().absolute()
+    if name == DEFAULT_MODEL:
+        roots = [os.environ.get("SPECJAX_MODELS"), REPO_ROOT.parent / "shared" / "models", Path("../shared/models")]
+        for root in filter(None, roots):
+            if (Path(root) / name).exists():
+                return (Path(root) / name).absolute()
+        return _download(HUB_REPO, HUB_FILES, name)
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return _download(name, None, name)
+    raise FileNotFoundError(f"model {name!r} is neither a local path nor a hub repository id (org/name)")
+
+
+def _download(repo: str, files: tuple[str, ...] | None, name: str) -> Path:
+    try:
+        import huggingface_hub as hub
+
+        if files is None:
+            return Path(hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"]))
+        local = [hub.hf_hub_download(repo, f) for f in files]
+        return Path(local[0]).parent
+    except Exception as err:  # offline, unknown repo, no permission
+        raise FileNotFoundError(
+            f"model {name!r} was not found locally and could not be downloaded from the Hugging Face hub "
+            f"repository {repo!r} ({type(err).__name__}). Put the files in a directory and pass its path, or set "
+            f"SPECJAX_MODELS to a folder holding {name}/ (for stories260K: {', '.join(HUB_FILES)} from "
+            f"{HUB_REPO}).") from err
+
+
+def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
+    """The tokenizer stored in `folder` (HF files, a SentencePiece `.model`, or llama2.c `tok*.bin`)."""
+    models, bins = sorted(folder.glob("*.model")), sorted(folder.glob("tok*.bin"))
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+        tok = HFTokenizer(folder)
+    elif models:
+        tok = SentencePieceTokenizer(models[0])
+    elif bins:
+        tok = Llama2cTokenizer(bins[0], vocab_size)
+    else:
+        raise CheckpointError(f"no tokenizer (tokenizer.json, *.model or tok*.bin) found in {folder}")
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer in {folder} has {tok.vocab_size} tokens but the model's vocabulary is "
+                         f"{vocab_size}: they do not belong together")
+    return tok
+
+
+def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Loads weights and tokenizer from a path or name (see the module docstring)."""
+    path = resolve(name)
+    tok_folder = path
+    if (path / checkpoint.MARKER).exists():
+        cfg, graphdef, params = checkpoint.restore_model(path, dtype)
+        tok_folder = path / "tokenizer"
+    elif (path / "config.json").exists():
+        cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()), dtype)
+        graphdef, params = params_from_hf(cfg, read_safetensors(path))
+    else:
+        bins = [path] if path.is_file() else sorted(p for p in path.glob("*.bin") if not p.name.startswith("tok"))
+        if not bins:
+            raise CheckpointError(f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint")
+        tok_folder = bins[0].parent
+        cfg, graphdef, params = read_llama2c(bins[0], dtype)
+    return LoadedModel(cfg, graphdef, params, load_tokenizer(tok_folder, cfg.vocab_size), path)
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The tokenizer files of a model directory or llama2.c checkpoint (for copying into a checkpoint)."""
+    folder = path if path.is_dir() else path.parent
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    return [folder / n for n in names if (folder / n).exists()] + sorted(folder.glob("*.model")) + sorted(
+        folder.glob("tok*.bin"))

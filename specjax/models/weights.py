@@ -1,0 +1,170 @@
+"""Weight conversion into specjax's parameter tree from Hugging Face safetensors and llama2.c files."""
+
+from __future__ import annotations
+
+import json
+import struct as pystruct
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import abstract_model
+
+
+class CheckpointError(ValueError):
+    """A missing, corrupt or mismatched weight file; the message names the file and the fix."""
+
+
+def build_params(cfg: LlamaConfig, pure: dict):
+    """(graphdef, params) from a nested dict of numpy arrays, checking every name and shape."""
+    graphdef, abstract = abstract_model(cfg)
+    expected = {path: var.get_value() for path, var in nnx.to_flat_state(abstract)}
+    given = dict(_flatten(pure))
+    missing = sorted(set(expected) - set(given), key=str)
+    extra = sorted(set(given) - set(expected), key=str)
+    if missing or extra:
+        raise CheckpointError(f"parameter names do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    leaves = {}
+    for path, spec in expected.items():
+        if tuple(given[path].shape) != tuple(spec.shape):
+            raise CheckpointError(f"parameter {'/'.join(map(str, path))} has shape {given[path].shape}, "
+                                  f"the config needs {spec.shape}")
+        leaves[path] = jnp.asarray(given[path], dtype=spec.dtype)
+    params = nnx.from_flat_state({p: v.replace(leaves[p]) for p, v in nnx.to_flat_state(abstract)})
+    return graphdef, params
+
+
+def _flatten(tree, prefix=()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def _layer(norm1, q, k, v, o, norm2, gate, up, down, qkv_bias=None, o_bias=None):
+    """One block from [out, in] matrices (PyTorch layout) into [in, out] kernels."""
+    layer = {
+        "attn_norm": {"weight": norm1},
+        "wqkv": {"kernel": np.concatenate([q, k, v], axis=0).T},
+        "wo": {"kernel": o.T},
+        "mlp_norm": {"weight": norm2},
+        "w_gate_up": {"kernel": np.concatenate([gate, up], axis=0).T},
+        "w_down": {"kernel": down.T},
+    }
+    if qkv_bias is not None:
+        layer["wqkv"]["bias"] = np.concatenate(qkv_bias)
+    if o_bias is not None:
+        layer["wo"]["bias"] = o_bias
+    return layer
+
+
+def _assemble(cfg: LlamaConfig, embed, layers, norm, lm_head):
+    pure = {"embed": {"embedding": embed}, "layers": dict(enumerate(layers)), "norm": {"weight": norm}}
+    if not cfg.tie_embeddings:
+        pure["lm_head"] = {"kernel": lm_head.T}
+    return pure
+
+
+# --- Hugging Face safetensors ------------------------------------------------------------------
+
+def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`, as numpy."""
+    from safetensors.numpy import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}; "
+                              "download the model's weights in safetensors format")
+    tensors = {}
+    for name in files:
+        path = model_dir / name
+        if not path.exists():
+            raise CheckpointError(f"weight shard {path} named in the index is missing")
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:  # safetensors raises several types on damaged files
+            raise CheckpointError(f"weight file {path} is corrupt or truncated ({err}); download it again") from err
+    return tensors
+
+
+def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]):
+    """(graphdef, params) from Hugging Face Llama/Mistral/Qwen2 tensor names."""
+
+    def get(name):
+        if name not in tensors:
+            raise CheckpointError(f"tensor {name!r} is missing from the safetensors checkpoint")
+        return np.asarray(tensors[name], dtype=np.float32)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = [get(a + f"{n}_proj.bias") for n in "qkv"] if cfg.qkv_bias else None
+        layers.append(_layer(
+            get(p + "input_layernorm.weight"), get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+            get(a + "v_proj.weight"), get(a + "o_proj.weight"), get(p + "post_attention_layernorm.weight"),
+            get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"), get(p + "mlp.down_proj.weight"),
+            bias, get(a + "o_proj.bias") if cfg.o_bias else None))
+    lm_head = None if cfg.tie_embeddings else get("lm_head.weight")
+    return build_params(cfg, _assemble(cfg, get("model.embed_tokens.weight"), layers, get("model.norm.weight"),
+                                       lm_head))
+
+
+# --- llama.c legacy (version 0) -----------------------------------------------------------------
+
+LLAMA2C_HEADER = 7 * 4
+
+
+def _unpermute_meta(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Meta's interleaved-pair RoPE rows -> rotate-half rows (as the official HF conversion does)."""
+    out_dim, in_dim = w.shape
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(0, 2, 1, 3).reshape(out_dim, in_dim)
+
+
+def read_llama2c(path: Path, dtype: str = "float32"):
+    """(config, graphdef, params) from a llama2.c legacy checkpoint (`*.bin`, float32)."""
+    if not path.exists():
+        raise CheckpointError(f"llama2.c checkpoint {path} does not exist")
+    raw = path.read_bytes()
+    if len(raw) < LLAMA2C_HEADER:
+        raise CheckpointError(f"llama2.c checkpoint {path} is truncated (only {len(raw)} bytes)")
+    if raw[:4] == b"42ka":  # b'ak42' magic, little-endian
+        raise CheckpointError(f"{path} is a versioned llama2.c export; re-export it with llama2.c's legacy_export")
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = pystruct.unpack("7i", raw[:LLAMA2C_HEADER])
+    shared = vocab > 0
+    vocab = abs(vocab)
+    if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads:
+        raise CheckpointError(f"{path} does not start with a valid llama2.c header")
+    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+                      hidden_dim=hidden, max_seq_len=seq_len, tie_embeddings=shared, dtype=dtype)
+    hd, kv_dim = cfg.head_dim, n_kv * cfg.head_dim
+    shapes = [("embed", (vocab, dim)), ("rms_att", (n_layers, dim)), ("wq", (n_layers, dim, dim)),
+              ("wk", (n_layers, kv_dim, dim)), ("wv", (n_layers, kv_dim, dim)), ("wo", (n_layers, dim, dim)),
+              ("rms_ffn", (n_layers, dim)), ("w1", (n_layers, hidden, dim)), ("w2", (n_layers, dim, hidden)),
+              ("w3", (n_layers, hidden, dim)), ("rms_final", (dim,)), ("freq_real", (seq_len, hd // 2)),
+              ("freq_imag", (seq_len, hd // 2))]
+    if not shared:
+        shapes.append(("wcls", (vocab, dim)))
+    need = LLAMA2C_HEADER + 4 * sum(int(np.prod(s)) for _, s in shapes)
+    if len(raw) != need:
+        raise CheckpointError(f"llama2.c checkpoint {path} has {len(raw)} bytes, its header implies {need}: "
+                              "the file is truncated or corrupt")
+    flat = np.frombuffer(raw, np.float32, offset=LLAMA2C_HEADER)
+    t, offset = {}, 0
+    for name, shape in shapes:
+        n = int(np.prod(shape))
+        t[name] = flat[offset: offset + n].reshape(shape)
+        offset += n
+    layers = [_layer(t["rms_att"][i], _unpermute_meta(t["wq"][i], n_heads), _unpermute_meta(t["wk"][i], n_kv),
+                     t["wv"][i], t["wo"][i], t["rms_ffn"][i], t["w1"][i], t["w3"][i], t["w2"][i])
+              for i in range(n_layers)]
+    graphdef, params = build_params(cfg, _assemble(cfg, t["embed"], layers, t["rms_final"], t.get("wcls")))
+    return cfg, graphdef, params

@@ -1,0 +1,60 @@
+"""Logit warpers (temperature, top-k, top-p) as one frozen, hashable sampler shared by target and drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those warpers off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or int(self.top_k) != self.top_k:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warp(self, logits: jax.Array) -> jax.Array:
+        """Warped float32 logits [..., V]; excluded tokens get -inf. Greedy keeps only the argmax."""
+        logits = logits.astype(jnp.float32)
+        if self.greedy:
+            keep = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=bool)
+            return jnp.where(keep, 0.0, NEG_INF)
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
+            logits = jnp.where(logits < kth, NEG_INF, logits)
+        if self.top_p < 1:
+            sorted_desc = -jnp.sort(-logits, axis=-1)
+            cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
+            # keep the smallest prefix whose mass reaches top_p: a token is kept if the mass before it < top_p
+            n_keep = jnp.sum(cum - jax.nn.softmax(sorted_desc, axis=-1) < self.top_p, axis=-1, keepdims=True)
+            threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+            logits = jnp.where(logits < threshold, NEG_INF, logits)
+        return logits
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """The warped distribution [..., V] (a point mass on the argmax when greedy)."""
+        return jax.nn.softmax(self.warp(logits), axis=-1)
+
+    def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
+        """One token per row of `logits` [..., V] (int32)."""
+        if self.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, self.warp(logits), axis=-1).astype(jnp.int32)

@@ -1,0 +1,63 @@
+"""KV cache invariants: rollback forgets, compaction equals a plain decode of the kept tokens."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from specjax.models.llama import causal_mask, forward, init_cache, init_params
+
+GRAPHDEF, PARAMS = init_params(TINY, seed=3)
+PROMPT = jnp.array([[5, 17, 3, 44, 9, 81], [7, 7, 60, 2, 11, 30]])
+
+
+def run(tokens, cache, mask=None):
+    t = tokens.shape[1]
+    positions = cache.length[:, None] + jnp.arange(t)[None]
+    return forward(GRAPHDEF, PARAMS, tokens, positions, cache, causal_mask(t) if mask is None else mask)
+
+
+def prefilled(size=24):
+    _, _, cache = run(PROMPT, init_cache(TINY, 2, size))
+    return cache.advance(PROMPT.shape[1])
+
+
+def test_rollback_then_redecode_equals_never_written():
+    clean = prefilled()
+    expected, _, _ = run(jnp.array([[12], [13]]), clean)
+    _, _, dirty = run(jnp.array([[90, 91, 92], [93, 94, 95]]), clean)  # speculative garbage ...
+    dirty = dirty.advance(3).with_length(clean.length)  # ... committed, then rolled back
+    assert not np.array_equal(np.asarray(dirty.k), np.asarray(clean.k))  # the garbage is still in the buffer
+    got, _, _ = run(jnp.array([[12], [13]]), dirty)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+@pytest.mark.parametrize("keep", [[0, 2, 3], [1, 3, 0], [0, 1, 2]])
+def test_compact_matches_plain_decode(keep):
+    cache = prefilled()
+    cand = jnp.array([[20, 21, 22, 23], [30, 31, 32, 33]])
+    # a tree-like mask: every candidate sees the nodes listed before it in `keep` and itself
+    order = {node: i for i, node in enumerate(keep)}
+    mask = np.eye(4, dtype=bool)
+    for node in keep:
+        for earlier in keep[: order[node]]:
+            mask[node, earlier] = True
+    positions = cache.length[:, None] + jnp.array([order.get(i, 0) for i in range(4)])[None]
+    _, _, written = forward(GRAPHDEF, PARAMS, cand, positions, cache, jnp.asarray(mask))
+    n_keep = jnp.array([3, 2])  # row 1 keeps only the first two of the path
+    compacted = written.compact(jnp.array([keep, keep]), n_keep)
+
+    plain = cache
+    for row, n in enumerate([3, 2]):
+        kept = np.asarray(cand)[row, keep[:n]]
+        tokens = jnp.asarray(np.stack([kept if r == row else np.zeros(n, int) for r in range(2)]))
+        _, _, c = run(tokens, cache)
+        plain = plain.replace(k=plain.k.at[:, row].set(c.k[:, row]), v=plain.v.at[:, row].set(c.v[:, row]))
+    plain = plain.advance(n_keep)
+    assert np.array_equal(np.asarray(compacted.length), np.asarray(plain.length))
+    for row, n in enumerate([3, 2]):
+        end = int(cache.length[row]) + n
+        np.testing.assert_allclose(np.asarray(compacted.k[:, row, :end]), np.asarray(plain.k[:, row, :end]), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(compacted.v[:, row, :end]), np.asarray(plain.v[:, row, :end]), atol=1e-6)
+    nxt = jnp.array([[40], [41]])
+    np.testing.assert_allclose(np.asarray(run(nxt, compacted)[0]), np.asarray(run(nxt, plain)[0]), atol=1e-5)

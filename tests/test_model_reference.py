@@ -1,0 +1,76 @@
+"""The decoder reproduces transformers' PyTorch logits (prefill and cached step-by-step decoding)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.weights import params_from_hf, read_safetensors
+
+CONFIGS = {
+    "llama_gqa_tied": LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=80,
+                                  tie_embeddings=True, max_seq_len=64),
+    "llama_mha_untied_bias": LlamaConfig(vocab_size=89, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=64,
+                                         qkv_bias=True, o_bias=True, rope_theta=500.0, max_seq_len=64),
+    "llama3_rope_scaling_head_dim": LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, hidden_dim=48, head_dim=16,
+        rope_theta=500000.0, rope_llama3_scaling=(8.0, 1.0, 4.0, 16), max_seq_len=64),
+    "qwen2_bias_gqa": LlamaConfig(vocab_size=70, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=40,
+                                  qkv_bias=True, norm_eps=1e-6, rope_theta=1e6, max_seq_len=64),
+}
+SEQ = 12
+
+
+def torch_reference(cfg: LlamaConfig, tmp_path, seed: int):
+    """A random transformers model of this config, saved as safetensors and read back by specjax."""
+    torch.manual_seed(seed)
+    hf = cfg.to_hf()
+    hf_cfg = transformers.AutoConfig.for_model(**hf)
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    assert hf_cfg.model_type == ("qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama")
+    return model, LlamaConfig.from_hf(hf_cfg.to_dict()), read_safetensors(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers(name, tmp_path):
+    model, cfg, tensors = torch_reference(CONFIGS[name], tmp_path, seed=len(name))
+    assert cfg == CONFIGS[name]
+    graphdef, params = params_from_hf(cfg, tensors)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+
+    positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
+    logits, hidden, _ = forward(graphdef, params, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32),
+                                causal_mask(SEQ))
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
+
+    cache = init_cache(cfg, 2, 16)  # step by step through the cache
+    for t in range(SEQ):
+        step, _, cache = forward(graphdef, params, jnp.asarray(tokens[:, t: t + 1]), positions[:, t: t + 1], cache,
+                                 causal_mask(1))
+        cache = cache.advance(1)
+        np.testing.assert_allclose(np.asarray(step[:, 0]), expected[:, t], atol=1e-4, rtol=0)
+
+
+def test_hidden_taps_match_transformers(tmp_path):
+    cfg = CONFIGS["qwen2_bias_gqa"]
+    model, cfg, tensors = torch_reference(cfg, tmp_path, seed=1)
+    graphdef, params = params_from_hf(cfg, tensors)
+    tokens = np.arange(SEQ)[None] % cfg.vocab_size
+    with torch.no_grad():
+        states = model(torch.tensor(tokens), output_hidden_states=True).hidden_states
+    _, hidden, _ = forward(graphdef, params, jnp.asarray(tokens), jnp.arange(SEQ)[None], init_cache(cfg, 1, 16),
+                           causal_mask(SEQ), taps=(0, 1))
+    for layer in (0, 1):  # HF's hidden_states[i + 1] is the output of layer i
+        np.testing.assert_allclose(np.asarray(hidden.taps[layer]), states[layer + 1].numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(hidden.final), states[-1].numpy(), atol=1e-4)

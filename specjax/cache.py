@@ -15,26 +15,27 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [layers, B, S, kv_heads, head_dim]
-    v: jax.Array  # [layers, B, S, kv_heads, head_dim]
+    k: jax.Array  # [layers, B, kv_heads, S, head_dim]
+    v: jax.Array  # [layers, B, kv_heads, S, head_dim]
     length: jax.Array  # [B] int32: committed slots per row
 
     @classmethod
     def init(cls, n_layers: int, batch: int, size: int, n_kv_heads: int, head_dim: int, dtype=jnp.float32):
-        shape = (n_layers, batch, size, n_kv_heads, head_dim)
+        shape = (n_layers, batch, n_kv_heads, size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
-        """Writes `[B, T, kv_heads, head_dim]` keys/values of `layer` after each row's committed length."""
-        batch, t = k_new.shape[:2]
+        """Writes `[B, kv_heads, T, head_dim]` keys/values of `layer` after each row's committed length."""
+        batch, _, t, _ = k_new.shape
         rows = jnp.arange(batch)[:, None]
         slots = self.length[:, None] + jnp.arange(t)[None, :]
-        return self.replace(k=self.k.at[layer, rows, slots].set(k_new.astype(self.k.dtype)),
-                            v=self.v.at[layer, rows, slots].set(v_new.astype(self.v.dtype)))
+        # advanced indices (rows, slots) around a slice: the indexed result is [B, T, kv_heads, head_dim]
+        return self.replace(k=self.k.at[layer, rows, :, slots].set(k_new.swapaxes(1, 2).astype(self.k.dtype)),
+                            v=self.v.at[layer, rows, :, slots].set(v_new.swapaxes(1, 2).astype(self.v.dtype)))
 
     def advance(self, n: jax.Array | int) -> "KVCache":
         """Commits the next `n` (per row, or scalar) written slots."""
@@ -57,8 +58,8 @@ class KVCache:
         dst = self.length[:, None] + jnp.arange(m)[None, :]
         valid = jnp.arange(m)[None, :] < n_keep[:, None]
         dst = jnp.where(valid, dst, self.size)  # out of bounds: dropped
-        k = self.k.at[:, rows, dst].set(self.k[:, rows, src], mode="drop")
-        v = self.v.at[:, rows, dst].set(self.v[:, rows, src], mode="drop")
+        k = self.k.at[:, rows, :, dst].set(self.k[:, rows, :, src], mode="drop")
+        v = self.v.at[:, rows, :, dst].set(self.v[:, rows, :, src], mode="drop")
         return self.replace(k=k, v=v, length=self.length + n_keep)
 
     def visible(self, mask_btt: jax.Array) -> jax.Array:

@@ -46,14 +46,14 @@ def _flatten(tree, prefix=()):
 
 
 def _layer(norm1, q, k, v, o, norm2, gate, up, down, qkv_bias=None, o_bias=None):
-    """One block from [out, in] matrices (PyTorch layout) into [in, out] kernels."""
+    """One block from [out, in] matrices (PyTorch layout, which specjax keeps), q/k/v and gate/up fused."""
     layer = {
         "attn_norm": {"weight": norm1},
-        "wqkv": {"kernel": np.concatenate([q, k, v], axis=0).T},
-        "wo": {"kernel": o.T},
+        "wqkv": {"weight": np.concatenate([q, k, v], axis=0)},
+        "wo": {"weight": o},
         "mlp_norm": {"weight": norm2},
-        "w_gate_up": {"kernel": np.concatenate([gate, up], axis=0).T},
-        "w_down": {"kernel": down.T},
+        "w_gate_up": {"weight": np.concatenate([gate, up], axis=0)},
+        "w_down": {"weight": down},
     }
     if qkv_bias is not None:
         layer["wqkv"]["bias"] = np.concatenate(qkv_bias)
@@ -65,7 +65,7 @@ def _layer(norm1, q, k, v, o, norm2, gate, up, down, qkv_bias=None, o_bias=None)
 def _assemble(cfg: LlamaConfig, embed, layers, norm, lm_head):
     pure = {"embed": {"embedding": embed}, "layers": dict(enumerate(layers)), "norm": {"weight": norm}}
     if not cfg.tie_embeddings:
-        pure["lm_head"] = {"kernel": lm_head.T}
+        pure["lm_head"] = {"weight": lm_head}
     return pure
 
 

@@ -1,0 +1,71 @@
+"""Helpers shared by the benchmark scripts: random-weight models on disk, timing, tables."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+# Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
+SHAPES = {
+    "llama-15M": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000),
+    "llama-110M": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048, vocab_size=32000),
+}
+
+
+def random_hf_model(shape: dict, path: Path, seed: int = 0):
+    """A random transformers LlamaForCausalLM of `shape`, saved as safetensors at `path` (tied embeddings)."""
+    import torch
+    import transformers
+
+    from specjax.models.config import LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(max_seq_len=1024, tie_embeddings=True, **shape)
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth seen by a compiled JAX reduction over a large float32 array (GB/s)."""
+    x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    return x.nbytes / median_time(lambda: total(x).block_until_ready(), repeats) / 1e9
+
+
+def write_table(name: str, rows: list[dict], title: str) -> str:
+    """Writes results/NAME.md and NAME.csv; returns the markdown table."""
+    RESULTS.mkdir(exist_ok=True)
+    keys = list(rows[0])
+    lines = [f"# {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / f"{name}.md").write_text(text)
+    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    return text
+
+
+def _fmt(v):
+    return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -16,13 +16,14 @@ from flax import struct
 @struct.dataclass
 class KVCache:
     k: jax.Array  # [layers, B, kv_heads, S, head_dim]
-    v: jax.Array  # [layers, B, kv_heads, S, head_dim]
+    v: jax.Array  # [layers, B, kv_heads, head_dim, S]: S last, so attention reads it without a transpose
     length: jax.Array  # [B] int32: committed slots per row
 
     @classmethod
     def init(cls, n_layers: int, batch: int, size: int, n_kv_heads: int, head_dim: int, dtype=jnp.float32):
-        shape = (n_layers, batch, n_kv_heads, size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        k = jnp.zeros((n_layers, batch, n_kv_heads, size, head_dim), dtype)
+        v = jnp.zeros((n_layers, batch, n_kv_heads, head_dim, size), dtype)
+        return cls(k, v, jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
@@ -35,7 +36,7 @@ class KVCache:
         slots = self.length[:, None] + jnp.arange(t)[None, :]
         # advanced indices (rows, slots) around a slice: the indexed result is [B, T, kv_heads, head_dim]
         return self.replace(k=self.k.at[layer, rows, :, slots].set(k_new.swapaxes(1, 2).astype(self.k.dtype)),
-                            v=self.v.at[layer, rows, :, slots].set(v_new.swapaxes(1, 2).astype(self.v.dtype)))
+                            v=self.v.at[layer, rows, :, :, slots].set(v_new.swapaxes(1, 2).astype(self.v.dtype)))
 
     def advance(self, n: jax.Array | int) -> "KVCache":
         """Commits the next `n` (per row, or scalar) written slots."""
@@ -59,7 +60,7 @@ class KVCache:
         valid = jnp.arange(m)[None, :] < n_keep[:, None]
         dst = jnp.where(valid, dst, self.size)  # out of bounds: dropped
         k = self.k.at[:, rows, :, dst].set(self.k[:, rows, :, src], mode="drop")
-        v = self.v.at[:, rows, :, dst].set(self.v[:, rows, :, src], mode="drop")
+        v = self.v.at[:, rows, :, :, dst].set(self.v[:, rows, :, :, src], mode="drop")
         return self.replace(k=k, v=v, length=self.length + n_keep)
 
     def visible(self, mask_btt: jax.Array) -> jax.Array:

@@ -133,3 +133,17 @@ def test_unknown_model_offline(monkeypatch):
         resolve("nobody/no-such-model")
     with pytest.raises(FileNotFoundError, match="neither a local path nor a hub repository id"):
         resolve("./no/such/dir")
+
+
+def test_default_model_resolution(monkeypatch, tmp_path):
+    from specjax.models import loading
+
+    monkeypatch.setenv("SPECJAX_MODELS", str(STORIES.parent))
+    assert resolve() == STORIES
+    monkeypatch.setenv("SPECJAX_MODELS", str(tmp_path))  # nowhere local: falls through to the hub, offline here
+    monkeypatch.setattr(loading, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"stories260K/stories260K.bin, stories260K/tok512.model from "
+                                                r"karpathy/tinyllamas"):
+        resolve()

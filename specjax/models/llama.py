@@ -79,7 +79,7 @@ class Block(nnx.Module):
         scores = scores * (hd ** -0.5)
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
-        attn = jnp.einsum("bkgts,bksd->btkgd", probs, v_all).reshape(b, t, h * hd)
+        attn = jnp.einsum("bkgts,bkds->btkgd", probs, v_all).reshape(b, t, h * hd)
         x_BTD = x_BTD + self.wo(attn)
         gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTD)), 2, axis=-1)
         return x_BTD + self.w_down(jax.nn.silu(gate) * up), cache

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.acceptance import greedy_chain, speculative_sampling
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.sampling import Sampler
@@ -131,3 +132,120 @@ def compile_generate(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]
         return compiled(params=params, tokens_BP=tokens, lengths_B=lengths, key=jax.random.key(seed))
 
     return run, compile_s
+
+
+# --- speculative decoding ----------------------------------------------------------------------
+
+@struct.dataclass
+class SpecStats:
+    """Accumulated on device; see `specjax.metrics` for what is derived from them."""
+
+    rounds: jax.Array  # [] loop iterations
+    row_rounds: jax.Array  # [B] rounds in which the row was active (= target verification passes)
+    emitted: jax.Array  # [B] tokens emitted by rounds (after EOS / max_new_tokens truncation)
+    accepted_hist: jax.Array  # [K+1] row-rounds by number of draft tokens accepted
+    accepted_at: jax.Array  # [K] row-rounds in which draft position i was accepted
+    reached_at: jax.Array  # [K] row-rounds in which all draft positions before i were accepted
+
+
+@struct.dataclass
+class SpecGeneration:
+    tokens: jax.Array  # [B, max_new_tokens]
+    lengths: jax.Array  # [B]
+    stats: SpecStats
+
+
+@struct.dataclass
+class _Loop:
+    seq: jax.Array  # [B, W] prompt + emitted tokens; the last of each row is pending (not in the target cache)
+    n_tokens: jax.Array  # [B]
+    done: jax.Array  # [B]
+    cache: object
+    drafter_state: object
+    key: jax.Array
+    stats: SpecStats
+
+
+def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B):
+    """One round: draft K -> verify K+1 in one target pass -> accept -> commit. Rows that are done stay put."""
+    k, sampler = drafter.k, spec.sampler
+    key, k_draft, k_accept = jax.random.split(loop.key, 3)
+    draft, drafter_state = drafter.propose(drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft)
+    pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)
+    tokens = jnp.concatenate([pending, draft.tokens], axis=1)  # [B, K+1]
+    positions = loop.cache.length[:, None] + jnp.arange(k + 1)[None]
+    logits, _, cache = forward(graphdef, params, tokens, positions, loop.cache, causal_mask(k + 1))
+    if sampler.greedy:
+        n_acc, nxt = greedy_chain(draft.tokens, logits)
+    else:
+        n_acc, nxt = speculative_sampling(k_accept, draft.tokens, draft.q_probs, sampler.probs(logits))
+
+    # Emit d_1..d_n then the next token, cut at EOS and at max_new_tokens; done rows emit nothing.
+    idx = jnp.arange(k + 1)[None]
+    emitted = jnp.where(idx < n_acc[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), nxt[:, None])
+    is_eos = (emitted == (-1 if spec.eos_id is None else spec.eos_id)) & (idx <= n_acc[:, None])
+    n_emit = jnp.minimum(n_acc + 1, jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, k + 1))
+    n_emit = jnp.where(loop.done, 0, jnp.minimum(n_emit, limit_B - loop.n_tokens))
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    write_at = jnp.where(idx < n_emit[:, None], loop.n_tokens[:, None] + idx, loop.seq.shape[1])  # else dropped
+    seq = loop.seq.at[rows, write_at].set(emitted, mode="drop")
+    n_tokens = loop.n_tokens + n_emit
+    active = ~loop.done
+    cache = cache.with_length(jnp.where(active, loop.cache.length + n_acc + 1, loop.cache.length))
+    drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens)
+
+    s = loop.stats
+    count = active.astype(jnp.int32)
+    stats = SpecStats(
+        rounds=s.rounds + 1, row_rounds=s.row_rounds + count, emitted=s.emitted + n_emit,
+        accepted_hist=s.accepted_hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * count[:, None], 0),
+        accepted_at=s.accepted_at + jnp.sum((idx[:, :k] < n_acc[:, None]) * count[:, None], 0),
+        reached_at=s.reached_at + jnp.sum((idx[:, :k] <= n_acc[:, None]) * count[:, None], 0))
+    done = loop.done | is_eos.any(1) & active | (n_tokens >= limit_B)
+    return _Loop(seq, n_tokens, done, cache, drafter_state, key, stats)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
+def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec: GenerateSpec):
+    batch, width = tokens_BP.shape
+    k, n_new = drafter.k, spec.max_new_tokens
+    logits, cache = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
+    key, sub = jax.random.split(key)
+    first = spec.sampler.sample(sub, logits)
+    seq = jnp.zeros((batch, width + n_new + k + 1), jnp.int32).at[:, :width].set(tokens_BP)
+    seq = seq.at[jnp.arange(batch), lengths_B].set(first)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32),
+                      jnp.zeros((k,), jnp.int32))
+    eos = -1 if spec.eos_id is None else spec.eos_id
+    loop = _Loop(seq, lengths_B + 1, (first == eos) | (n_new == 1), cache,
+                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size), key, stats)
+    limit = lengths_B + n_new
+    loop = jax.lax.while_loop(
+        lambda lp: ~jnp.all(lp.done),
+        lambda lp: spec_round(cfg, graphdef, params, drafter, drafter_params, spec, lp, limit), loop)
+    out = jnp.take_along_axis(loop.seq, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
+    n_out = loop.n_tokens - lengths_B
+    out = jnp.where(jnp.arange(n_new)[None] < n_out[:, None], out, 0)
+    return SpecGeneration(out, n_out, loop.stats)
+
+
+def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spec: GenerateSpec, bucket: int = 8):
+    """Validates a speculative job before any compile; the cache gets K + 1 slots of slack for verification."""
+    if not isinstance(drafter.k, int) or drafter.k < 1:
+        raise ValueError(f"K (draft tokens per round) must be an integer >= 1, got {drafter.k!r}")
+    drafter.validate(cfg)
+    tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
+    width, need = tokens.shape[1], tokens.shape[1] + spec.max_new_tokens + drafter.k + 1
+    if spec.cache_size and need > spec.cache_size:
+        raise ValueError(f"K={drafter.k} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens + "
+                         f"K + 1 verification slots = {need} > cache_size {spec.cache_size}; lower K or raise the cache")
+    size = spec.cache_size or -(-need // CACHE_BUCKET) * CACHE_BUCKET
+    return tokens, lengths, dataclasses.replace(spec, cache_size=size)
+
+
+def speculative_generate(cfg: LlamaConfig, graphdef, params, drafter, drafter_params, prompts: list[list[int]],
+                         spec: GenerateSpec, seed: int = 0) -> SpecGeneration:
+    """Speculative decoding of a batch of prompts: same output distribution as `generate` (greedy: same tokens)."""
+    tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
+    return _speculative(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, jax.random.key(seed), spec)

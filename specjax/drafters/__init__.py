@@ -1,0 +1,1 @@
+"""Draft sources behind one protocol (see `specjax.drafters.base.Drafter`)."""

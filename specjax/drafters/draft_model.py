@@ -1,0 +1,74 @@
+"""A separate (smaller) Llama-family model that drafts K tokens autoregressively with its own KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.base import Draft
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.weights import build_params
+from specjax.sampling import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """Drafts with `sampler` (pass the target's, so p and q are warped alike); greedy drafts are
+    deterministic proposals (`q_probs=None`)."""
+
+    cfg: LlamaConfig
+    graphdef: object
+    k: int
+    sampler: Sampler = Sampler()
+
+    def validate(self, target_cfg: LlamaConfig) -> None:
+        if self.cfg.vocab_size != target_cfg.vocab_size:
+            raise ValueError(f"draft model vocabulary ({self.cfg.vocab_size}) differs from the target's "
+                             f"({target_cfg.vocab_size}): the drafter must share the target's tokenizer")
+
+    def init(self, params, tokens_BP, lengths_B, cache_size: int):
+        batch, width = tokens_BP.shape
+        positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+        _, _, cache = forward(self.graphdef, params, tokens_BP, positions, init_cache(self.cfg, batch, cache_size),
+                              causal_mask(width))
+        return cache.with_length(lengths_B)
+
+    def propose(self, params, cache, seq_BS, n_tokens_B, key):
+        # Re-read the last two tokens: the one before the pending token may not be in the cache yet
+        # (after a fully accepted round); one 2-token step keeps every shape static.
+        start = n_tokens_B - 2
+        cache = cache.with_length(start)
+        tokens = jnp.take_along_axis(seq_BS, start[:, None] + jnp.arange(2)[None], axis=1)
+        logits, _, cache = forward(self.graphdef, params, tokens, start[:, None] + jnp.arange(2)[None], cache,
+                                   causal_mask(2))
+        cache = cache.advance(2)
+        logits = logits[:, -1]
+        drafted, scores = [], []
+        for i, sub in enumerate(jax.random.split(key, self.k)):
+            drafted.append(self.sampler.sample(sub, logits))
+            scores.append(logits)
+            if i + 1 < self.k:
+                logits, _, cache = forward(self.graphdef, params, drafted[-1][:, None], cache.length[:, None], cache,
+                                           causal_mask(1))
+                logits = logits[:, 0]
+                cache = cache.advance(1)
+        q = None if self.sampler.greedy else self.sampler.probs(jnp.stack(scores, axis=1))
+        return Draft(jnp.stack(drafted, axis=1), q), cache
+
+    def commit(self, params, cache, n_accepted_B, n_tokens_B):
+        return cache  # `propose` rewinds to the sequence it is given
+
+
+def truncated_target(cfg: LlamaConfig, params, n_layers: int):
+    """(cfg, graphdef, params) of the target's first `n_layers` blocks with its embedding, final norm and
+    head: a draft model that needs no training."""
+    if not 1 <= n_layers <= cfg.n_layers:
+        raise ValueError(f"a truncated draft needs 1..{cfg.n_layers} layers, got {n_layers}")
+    pure = nnx.to_pure_dict(params)
+    pure["layers"] = {i: pure["layers"][i] for i in range(n_layers)}
+    small = cfg.replace(n_layers=n_layers)
+    return (small, *build_params(small, pure))

@@ -1,0 +1,38 @@
+"""Acceptance statistics and speed metrics, each defined once (the README repeats the formulas)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def summarize(stats) -> dict:
+    """Metrics of a speculative run from its on-device `SpecStats`.
+
+    tau: tokens emitted per target verification pass, bonus included = sum(emitted) / sum(row_rounds).
+    alpha_i: fraction of rounds in which draft position i was accepted given all before it were.
+    hist: rounds by number of draft tokens accepted (0..K).
+    draft_efficiency: accepted draft tokens / drafted tokens.
+    """
+    hist = np.asarray(stats.accepted_hist)
+    k = hist.shape[0] - 1
+    passes = int(np.sum(stats.row_rounds))
+    accepted = np.asarray(stats.accepted_at)
+    reached = np.asarray(stats.reached_at)
+    return {
+        "tau": float(np.sum(stats.emitted)) / max(passes, 1),
+        "alpha": np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan),
+        "hist": hist,
+        "draft_efficiency": float(accepted.sum()) / max(k * passes, 1),
+        "target_passes": passes,
+        "rounds": int(stats.rounds),
+    }
+
+
+def speedup(ar_seconds: float, spec_seconds: float) -> float:
+    """AR wall time / speculative wall time for the same prompts, process and target."""
+    return ar_seconds / spec_seconds
+
+
+def loop_efficiency(k: int, draft_step_s: float, verify_s: float, round_s: float) -> float:
+    """(K x draft-step time + verify time) / measured round time: 1.0 means the loop adds nothing."""
+    return (k * draft_step_s + verify_s) / round_s

@@ -1,11 +1,16 @@
-"""Decodes text with a Llama-family model. With no flags: a story from stories260K.
+"""Decodes text with a Llama-family model, autoregressively or speculatively. No flags: a story from stories260K.
 
     python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperature=0.8
+    python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
 """
 
+import jax
+import numpy as np
 from absl import app, flags, logging
 
 from specjax.decode import GenerateSpec
+from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
 from specjax.runner import decode_texts
 from specjax.sampling import Sampler
@@ -21,6 +26,11 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
+flags.DEFINE_enum("drafter", "none", ["none", "draft_model"], "Draft source; none = plain AR decoding.")
+flags.DEFINE_string("draft_model", None, "Draft model path/name (default: the target truncated to --draft_layers).")
+flags.DEFINE_integer("draft_layers", 1, "Layers of the truncated-target draft when --draft_model is not given.")
+flags.DEFINE_integer("k", 4, "Draft tokens per round.")
+flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 
 
 def read_prompts() -> list[str]:
@@ -31,6 +41,16 @@ def read_prompts() -> list[str]:
     return prompts or ["Once upon a time"]
 
 
+def make_drafter(target, sampler):
+    if FLAGS.drafter == "none":
+        return None, None
+    if FLAGS.draft_model:
+        draft = load_model(FLAGS.draft_model, FLAGS.dtype)
+        return DraftModel(draft.cfg, draft.graphdef, FLAGS.k, sampler), draft.params
+    cfg, graphdef, params = truncated_target(target.cfg, target.params, FLAGS.draft_layers)
+    return DraftModel(cfg, graphdef, FLAGS.k, sampler), params
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -38,12 +58,24 @@ def main(argv):
     prompts = read_prompts()
     model = load_model(FLAGS.model, FLAGS.dtype)
     spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id)
-    report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size)
+    drafter, drafter_params = make_drafter(model, sampler)
+    report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
     for prompt, text in zip(prompts, report.texts):
         print(f"--- {prompt!r}\n{prompt}{text}\n")
-    print(f"| model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n|---|---|---|---|---|---|---|\n"
-          f"| {model.path.name} | {model.cfg.dtype} | {len(prompts)} | {report.new_tokens} | {report.compile_s:.2f} "
-          f"| {report.run_s:.3f} | {report.tokens_per_s:.1f} |")
+    runs = [("speculative" if drafter else "ar", report)]
+    if drafter and FLAGS.compare_ar:
+        runs.append(("ar", decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size)))
+    print("| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n|---|---|---|---|---|---|---|---|")
+    for mode, r in runs:
+        print(f"| {mode} | {model.path.name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
+              f"| {r.run_s:.3f} | {r.tokens_per_s:.1f} |")
+    if drafter:
+        stats = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *report.stats)  # add up the batches
+        m = summarize(stats)
+        print(f"\nK={drafter.k}: tau {m['tau']:.2f} tokens/pass, draft efficiency {m['draft_efficiency']:.2f}, "
+              f"alpha_i {np.round(m['alpha'], 2).tolist()}, accepted histogram {m['hist'].tolist()}")
+        if FLAGS.compare_ar:
+            print(f"speedup over AR: {speedup(runs[1][1].run_s, report.run_s):.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from absl import app, flags, logging
 
 from experiments.common import SHAPES, median_time, random_hf_model, read_bandwidth_gbs, write_table
-from specjax.decode import GenerateSpec, compile_generate
+from specjax.decode import GenerateSpec, compile_decode
 from specjax.models.loading import load_model
 
 flags.DEFINE_integer("repeats", 5, "Timed runs per system (median reported).")
@@ -32,7 +32,7 @@ def bench(name: str, model_dir: Path, bandwidth: float) -> dict:
     prompt = model.tokenizer.encode(PROMPT) if name == "stories260K" else [1] + list(range(300, 308))
     n = FLAGS.new_tokens
     spec = GenerateSpec(n, eos_id=None)
-    run, compile_s = compile_generate(model.cfg, model.graphdef, model.params, [prompt], spec)
+    run, compile_s = compile_decode(model.cfg, model.graphdef, model.params, [prompt], spec)
     ours = np.asarray(run([prompt]).tokens[0])
     jax_s = median_time(lambda: run([prompt]).tokens.block_until_ready(), FLAGS.repeats)
 

@@ -36,6 +36,8 @@ def random_hf_model(shape: dict, path: Path, seed: int = 0):
 
 
 def median_time(fn, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` runs, after one untimed warm-up run."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -48,7 +50,6 @@ def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
     """Memory read bandwidth seen by a compiled JAX reduction over a large float32 array (GB/s)."""
     x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
     return x.nbytes / median_time(lambda: total(x).block_until_ready(), repeats) / 1e9
 
 

@@ -117,23 +117,6 @@ def generate(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec:
     return _generate(cfg, graphdef, params, tokens, lengths, jax.random.key(seed), spec)
 
 
-def compile_generate(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec: GenerateSpec,
-                     bucket: int = 8):
-    """Compiles ahead of time for the shape of `prompts`: returns (`run(prompts, seed) -> Generation`,
-    compile seconds). `run` accepts any batch of the same size whose padded width is the same."""
-    tokens, lengths, spec = prepare(cfg, prompts, spec, bucket)
-    start = time.perf_counter()
-    compiled = _generate.lower(cfg=cfg, graphdef=graphdef, params=params, tokens_BP=tokens, lengths_B=lengths,
-                               key=jax.random.key(0), spec=spec).compile()
-    compile_s = time.perf_counter() - start
-
-    def run(prompts: list[list[int]], seed: int = 0) -> Generation:
-        tokens, lengths = prepare(cfg, prompts, spec, bucket)[:2]
-        return compiled(params=params, tokens_BP=tokens, lengths_B=lengths, key=jax.random.key(seed))
-
-    return run, compile_s
-
-
 # --- speculative decoding ----------------------------------------------------------------------
 
 @struct.dataclass
@@ -249,3 +232,29 @@ def speculative_generate(cfg: LlamaConfig, graphdef, params, drafter, drafter_pa
     """Speculative decoding of a batch of prompts: same output distribution as `generate` (greedy: same tokens)."""
     tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
     return _speculative(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, jax.random.key(seed), spec)
+
+
+def compile_decode(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec: GenerateSpec,
+                   drafter=None, drafter_params=None, bucket: int = 8):
+    """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`.
+
+    Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded width.
+    """
+    if drafter is None:
+        prep = lambda batch: prepare(cfg, batch, spec, bucket)
+        fn, static, dynamic = _generate, dict(cfg=cfg, graphdef=graphdef), dict(params=params)
+    else:
+        prep = lambda batch: prepare_speculative(cfg, drafter, batch, spec, bucket)
+        fn, static = _speculative, dict(cfg=cfg, graphdef=graphdef, drafter=drafter)
+        dynamic = dict(params=params, drafter_params=drafter_params)
+    tokens, lengths, full_spec = prep(prompts)
+    start = time.perf_counter()
+    compiled = fn.lower(**static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=jax.random.key(0),
+                        spec=full_spec).compile()
+    compile_s = time.perf_counter() - start
+
+    def run(prompts: list[list[int]], seed: int = 0):
+        tokens, lengths = prep(prompts)[:2]
+        return compiled(**dynamic, tokens_BP=tokens, lengths_B=lengths, key=jax.random.key(seed))
+
+    return run, compile_s

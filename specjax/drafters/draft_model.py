@@ -46,18 +46,22 @@ class DraftModel:
         logits, _, cache = forward(self.graphdef, params, tokens, start[:, None] + jnp.arange(2)[None], cache,
                                    causal_mask(2))
         cache = cache.advance(2)
-        logits = logits[:, -1]
-        drafted, scores = [], []
-        for i, sub in enumerate(jax.random.split(key, self.k)):
-            drafted.append(self.sampler.sample(sub, logits))
-            scores.append(logits)
-            if i + 1 < self.k:
-                logits, _, cache = forward(self.graphdef, params, drafted[-1][:, None], cache.length[:, None], cache,
-                                           causal_mask(1))
-                logits = logits[:, 0]
-                cache = cache.advance(1)
-        q = None if self.sampler.greedy else self.sampler.probs(jnp.stack(scores, axis=1))
-        return Draft(jnp.stack(drafted, axis=1), q), cache
+        keys = jax.random.split(key, self.k)
+        first = self.sampler.sample(keys[0], logits[:, -1])
+
+        def step(carry, key):  # one more draft token: feed the last one, sample the next
+            token, cache = carry
+            logits, _, cache = forward(self.graphdef, params, token[:, None], cache.length[:, None], cache,
+                                       causal_mask(1))
+            nxt = self.sampler.sample(key, logits[:, 0])
+            return (nxt, cache.advance(1)), (nxt, None if self.sampler.greedy else logits[:, 0])
+
+        (_, cache), (rest, rest_logits) = jax.lax.scan(step, (first, cache), keys[1:])
+        tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
+        if self.sampler.greedy:
+            return Draft(tokens), cache
+        scores = jnp.concatenate([logits[:, -1:], rest_logits.swapaxes(0, 1)], axis=1)
+        return Draft(tokens, self.sampler.probs(scores)), cache
 
     def commit(self, params, cache, n_accepted_B, n_tokens_B):
         return cache  # `propose` rewinds to the sequence it is given

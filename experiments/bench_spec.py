@@ -1,0 +1,151 @@
+"""Speculative decoding with the draft-model drafter vs AR, and transformers' assisted generation on the same weights.
+
+    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=5]
+
+Per target, draft (self / truncated / random), K and temperature: tau, draft efficiency, tokens/s, speedup
+over specjax AR, loop efficiency = (K x draft step + verify pass) / measured round time (each measured in
+its own compiled loop), and transformers' `generate(assistant_model=...)` speedup over its own `generate`.
+Writes results/bench_spec.{md,csv}.
+"""
+
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from absl import app, flags, logging
+
+from experiments.common import SHAPES, median_time, random_hf_model, write_table
+from specjax.decode import GenerateSpec, compile_decode
+from specjax.drafters.draft_model import DraftModel
+from specjax.metrics import loop_efficiency, summarize
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.loading import load_model
+from specjax.models.weights import params_from_hf, read_safetensors
+from specjax.sampling import Sampler
+
+flags.DEFINE_list("models", ["stories260K", "llama-110M"], "Targets.")
+flags.DEFINE_list("ks", ["2", "4", "8"], "Draft lengths K.")
+flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")
+flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
+flags.DEFINE_bool("hf", True, "Also time transformers' assisted generation.")
+FLAGS = flags.FLAGS
+PROMPT = "Once upon a time, there was a little"
+RANDOM_DRAFT = {"stories260K": dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512),
+                "llama-110M": SHAPES["llama-15M"]}
+TRUNCATED_LAYERS = {"stories260K": 2, "llama-110M": 2}
+
+
+def hf_dir_to_specjax(path: Path):
+    cfg = LlamaConfig.from_hf(transformers.AutoConfig.from_pretrained(path).to_dict())
+    return (cfg, *params_from_hf(cfg, read_safetensors(path)))
+
+
+def drafts(name: str, target_dir: Path, tmp: Path):
+    """{draft name: (HF model dir)}; the truncated draft is the target's first layers, saved as its own model."""
+    out = {"self": target_dir}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
+    hf.config.num_hidden_layers = TRUNCATED_LAYERS[name]
+    hf.model.layers = hf.model.layers[: TRUNCATED_LAYERS[name]]
+    hf.save_pretrained(tmp / "truncated")
+    out["truncated"] = tmp / "truncated"
+    random_hf_model(RANDOM_DRAFT[name], tmp / "random", seed=5)
+    out["random"] = tmp / "random"
+    return out
+
+
+def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32) -> float:
+    """Time of one forward of `t` tokens in a compiled loop where each call's input is the previous call's
+    argmax (a true dependency chain, as in decoding); batch 1, cache of `cache_size`."""
+    @jax.jit
+    def loop(params, cache):
+        positions = cache.length[:, None] + jnp.arange(t)[None]
+
+        def body(_, carry):
+            tokens, cache = carry
+            logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
+
+    cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
+    return median_time(lambda: loop(params, cache).block_until_ready(), FLAGS.repeats) / calls
+
+
+def hf_generate_seconds(target, assistant, ids, n, k, temperature):
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=0, do_sample=temperature > 0)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    if assistant is not None:
+        kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+    with torch.inference_mode():
+        return median_time(lambda: target.generate(ids, **kwargs), FLAGS.repeats)
+
+
+def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
+    target = load_model(str(target_dir))
+    cfg, n = target.cfg, FLAGS.new_tokens
+    prompt = target.tokenizer.encode(PROMPT)
+    ids = torch.tensor([prompt])
+    hf_target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval() if FLAGS.hf else None
+    rows = []
+    for temperature in map(float, FLAGS.temperatures):
+        sampler = Sampler(temperature)
+        spec = GenerateSpec(n, sampler, eos_id=None)
+        ar_run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec)
+        ar_s = median_time(lambda: jax.block_until_ready(ar_run([prompt])), FLAGS.repeats)
+        hf_ar_s = hf_generate_seconds(hf_target, None, ids, n, 0, temperature) if FLAGS.hf else np.nan
+        rows.append(dict(target=name, draft="none (AR)", K=0, T=temperature, tau=1.0, draft_eff=np.nan,
+                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, hf_tok_s=n / hf_ar_s, hf_speedup=1.0))
+        for draft_name, draft_dir in drafts(name, target_dir, tmp).items():
+            dcfg, dgraphdef, dparams = hf_dir_to_specjax(draft_dir)
+            hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval() if FLAGS.hf else None
+            for k in map(int, FLAGS.ks):
+                drafter = DraftModel(dcfg, dgraphdef, k, sampler)
+                run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams)
+                gen = jax.block_until_ready(run([prompt]))
+                spec_s = median_time(lambda: jax.block_until_ready(run([prompt])), FLAGS.repeats)
+                m = summarize(gen.stats)
+                size = -(-(8 * -(-len(prompt) // 8) + n + k + 1) // 64) * 64
+                draft_step = per_call_seconds(dcfg, dgraphdef, dparams, 1, size)
+                verify = per_call_seconds(cfg, target.graphdef, target.params, k + 1, size)
+                hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
+                rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
+                                 draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=ar_s / spec_s,
+                                 loop_eff=loop_efficiency(k, draft_step, verify, spec_s / m["rounds"]),
+                                 hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in FLAGS.models:
+            if name == "stories260K":
+                path = load_model().path
+            else:
+                path = tmp / name
+                random_hf_model(SHAPES[name], path)
+                for f in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: the prompt ids only
+                    shutil.copy(load_model().path / f, path)
+            (tmp / name).mkdir(exist_ok=True)
+            rows += bench_target(name, path, tmp / name)
+    title = (f"Speculative decoding (draft model) vs AR, batch 1, {FLAGS.new_tokens} new tokens, float32, medians of "
+             f"{FLAGS.repeats}; hf = transformers {transformers.__version__} assisted generation vs its own generate")
+    print(write_table("bench_spec", rows, title))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -38,16 +38,21 @@ class DraftModel:
         return cache.with_length(lengths_B)
 
     def propose(self, params, cache, seq_BS, n_tokens_B, key):
-        # Re-read the last two tokens: the one before the pending token may not be in the cache yet
-        # (after a fully accepted round); one 2-token step keeps every shape static.
-        start = n_tokens_B - 2
-        cache = cache.with_length(start)
-        tokens = jnp.take_along_axis(seq_BS, start[:, None] + jnp.arange(2)[None], axis=1)
-        logits, _, cache = forward(self.graphdef, params, tokens, start[:, None] + jnp.arange(2)[None], cache,
-                                   causal_mask(2))
-        cache = cache.advance(2)
+        # The cache holds every token before the pending one, except after a fully accepted round,
+        # when the last draft token was never fed: then re-read the last two tokens in one step.
+        pending = n_tokens_B - 1
+        stale = jnp.any(jnp.minimum(cache.length, pending) < pending)
+
+        def feed(t):
+            start = n_tokens_B - t
+            positions = start[:, None] + jnp.arange(t)[None]
+            tokens = jnp.take_along_axis(seq_BS, positions, axis=1)
+            logits, _, new = forward(self.graphdef, params, tokens, positions, cache.with_length(start), causal_mask(t))
+            return logits[:, -1], new.with_length(n_tokens_B)
+
+        logits, cache = jax.lax.cond(stale, lambda: feed(2), lambda: feed(1))
         keys = jax.random.split(key, self.k)
-        first = self.sampler.sample(keys[0], logits[:, -1])
+        first = self.sampler.sample(keys[0], logits)
 
         def step(carry, key):  # one more draft token: feed the last one, sample the next
             token, cache = carry
@@ -60,11 +65,11 @@ class DraftModel:
         tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
         if self.sampler.greedy:
             return Draft(tokens), cache
-        scores = jnp.concatenate([logits[:, -1:], rest_logits.swapaxes(0, 1)], axis=1)
+        scores = jnp.concatenate([logits[:, None], rest_logits.swapaxes(0, 1)], axis=1)
         return Draft(tokens, self.sampler.probs(scores)), cache
 
     def commit(self, params, cache, n_accepted_B, n_tokens_B):
-        return cache  # `propose` rewinds to the sequence it is given
+        return cache  # `propose` keeps what is still valid of the sequence it is given
 
 
 def truncated_target(cfg: LlamaConfig, params, n_layers: int):

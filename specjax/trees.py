@@ -1,0 +1,119 @@
+"""Static draft trees: a list of paths (Medusa's format) turned once, in numpy, into index arrays.
+
+A path `(r_1, ..., r_d)` names the node reached by taking the r_1-th candidate after the root, then the
+r_2-th candidate after that, ... (rank among the parent's candidates, 0 = best). Node 0 is the root
+(the pending token); nodes 1..N are sorted by depth, then path, so parents precede children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+
+class TreeError(ValueError):
+    """An invalid tree specification; the message names the offending path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    paths: tuple[tuple[int, ...], ...]  # node i >= 1 is paths[i - 1]
+
+    def __post_init__(self):
+        paths = [tuple(int(r) for r in p) for p in self.paths]
+        if not paths:
+            raise TreeError("a tree needs at least one node; e.g. [[0]] is a chain of one token")
+        seen = set()
+        for p in paths:
+            if not p or min(p) < 0:
+                raise TreeError(f"path {list(p)} must be a non-empty list of ranks >= 0")
+            if p in seen:
+                raise TreeError(f"duplicate path {list(p)}")
+            seen.add(p)
+        for p in paths:
+            if len(p) > 1 and p[:-1] not in seen:
+                raise TreeError(f"path {list(p)} has no parent: add {list(p[:-1])}")
+            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
+                raise TreeError(f"path {list(p)} skips a sibling: add {list(p[:-1] + (p[-1] - 1,))} "
+                                "(candidate ranks of a node must be 0, 1, 2, ...)")
+        object.__setattr__(self, "paths", tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+    @property
+    def size(self) -> int:
+        """Nodes including the root: the tokens one verification pass scores."""
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max(map(len, self.paths))
+
+    @functools.cached_property
+    def arrays(self) -> "TreeArrays":
+        return TreeArrays.build(self.paths)
+
+    def is_chain(self) -> bool:
+        return all(p == (0,) * len(p) for p in self.paths)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeArrays:
+    parent: np.ndarray  # [N+1] parent node (root: 0)
+    depth: np.ndarray  # [N+1] root 0
+    rank: np.ndarray  # [N+1] candidate rank among siblings (root: 0)
+    mask: np.ndarray  # [N+1, N+1] bool: node i sees node j iff j is i or an ancestor of i
+    children: np.ndarray  # [N+1, W] child nodes in rank order, -1 padded
+    levels: tuple  # levels[d] = node indices at depth d (levels[0] = [0])
+    ancestors: np.ndarray  # [N+1, D] node's path from depth 1 down to itself, 0 padded
+
+    @classmethod
+    def build(cls, paths):
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+        n = len(index)
+        parent = np.array([0] + [index[p[:-1]] for p in paths], np.int32)
+        depth = np.array([0] + [len(p) for p in paths], np.int32)
+        rank = np.array([0] + [p[-1] for p in paths], np.int32)
+        mask = np.zeros((n, n), bool)
+        ancestors = np.zeros((n, depth.max()), np.int32)
+        for p, i in index.items():
+            for d in range(len(p) + 1):
+                mask[i, index[p[:d]]] = True
+            for d in range(1, len(p) + 1):
+                ancestors[i, d - 1] = index[p[:d]]
+        width = max(int(np.sum(parent[1:] == i)) for i in range(n))
+        children = np.full((n, width), -1, np.int32)
+        for i in range(1, n):
+            children[parent[i], rank[i]] = i
+        levels = tuple(np.flatnonzero(depth == d).astype(np.int32) for d in range(depth.max() + 1))
+        return cls(parent, depth, rank, mask, children, levels, ancestors)
+
+
+def chain(k: int) -> Tree:
+    """K tokens in a line: the chain as a tree."""
+    return Tree(tuple((0,) * d for d in range(1, k + 1)))
+
+
+def balanced(width: int, depth: int) -> Tree:
+    """Every node has `width` candidates, `depth` levels deep."""
+    import itertools
+
+    return Tree(tuple(p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)))
+
+
+def medusa_like(budget: int = 60) -> Tree:
+    """A sparse tree shaped like the Medusa paper's: wide at depth 1, narrowing with depth.
+
+    Nodes are added greedily by a rank-decay score (product of 1 / (rank + 1) ** 1.5 along the path,
+    a stand-in for measured per-rank acceptance), which favours top ranks and short paths."""
+    score = lambda p: float(np.prod([1.0 / (r + 1) ** 1.5 for r in p]) * 0.6 ** len(p))
+    chosen, frontier = [], [(0,)]
+    while len(chosen) < budget:
+        best = max(frontier, key=score)
+        frontier.remove(best)
+        chosen.append(best)
+        frontier += [best + (0,), best[:-1] + (best[-1] + 1,)]
+    return Tree(tuple(chosen))
+
+
+PRESETS = {"chain4": chain(4), "balanced_2x3": balanced(2, 3), "medusa60": medusa_like(60)}

@@ -60,3 +60,77 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
     pick = lambda probs: jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
     resample = residual(pick(p_BKV), pick(q))
     return n, jax.random.categorical(key_resample, jnp.log(resample), axis=-1).astype(jnp.int32)
+
+
+# --- trees ------------------------------------------------------------------------------------------
+
+def greedy_tree(tree, draft_BN: jax.Array, target_logits_BNV: jax.Array):
+    """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
+
+    Returns (n_accepted [B], next_token [B], path [B, D]: accepted node indices by depth, 0 padded)."""
+    arr = tree.arrays
+    target = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)  # [B, N+1]
+    ok = jnp.concatenate([jnp.ones_like(draft_BN[:, :1], bool), draft_BN == target[:, arr.parent[1:]]], axis=1)
+    for _ in range(tree.depth):  # a node is kept only if its whole path matches
+        ok = ok & ok[:, arr.parent]
+    n_nodes = tree.size
+    best = jnp.argmax(jnp.where(ok, arr.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1)
+    rows = jnp.arange(draft_BN.shape[0])
+    return jnp.asarray(arr.depth)[best], target[rows, best], jnp.asarray(arr.ancestors)[best]
+
+
+def sibling_step(p_BV, q_BV, x_B, without_replacement: bool):
+    """One candidate x of the recursive rule: (accept probability, p after a rejection, q after a rejection).
+
+    Accept with min(1, p(x) / q(x)) (0 if q(x) = 0: x could not have been drawn); on rejection
+    p <- norm(max(0, p - q)) and, for candidates drawn without replacement, q <- q with x removed and
+    renormalised (SpecInfer / recursive speculative decoding)."""
+    p_x = jnp.take_along_axis(p_BV, x_B[:, None], axis=1)[:, 0]
+    q_x = jnp.take_along_axis(q_BV, x_B[:, None], axis=1)[:, 0]
+    accept = jnp.where(q_x > 0, jnp.minimum(p_x / jnp.where(q_x > 0, q_x, 1.0), 1.0), 0.0)
+    q_next = q_BV
+    if without_replacement:
+        q_rest = q_BV * (1.0 - jax.nn.one_hot(x_B, q_BV.shape[-1], dtype=q_BV.dtype))
+        total = jnp.sum(q_rest, axis=-1, keepdims=True)
+        q_next = jnp.where(total > 0, q_rest / jnp.where(total > 0, total, 1.0), q_rest)
+    return accept, residual(p_BV, q_BV), q_next
+
+
+def tree_sampling(key, tree, draft_BN, q_BNV, p_BNV, without_replacement: bool = False):
+    """Lossless tree verification by recursive rejection sampling; the output is distributed as p.
+
+    From the root, the children of the current node are tried in rank order with `sibling_step`; the
+    first accepted child becomes the current node; if all are rejected (or it has none), the next
+    token is drawn from the current (residual) p. `q_BNV[:, j - 1]` is the draft distribution node j
+    was drawn from (None: deterministic candidates, each a point mass). p_BNV has N+1 nodes (root first).
+    Returns (n_accepted [B], next_token [B], path [B, D])."""
+    arr = tree.arrays
+    b, vocab = draft_BN.shape[0], p_BNV.shape[-1]
+    rows = jnp.arange(b)
+    children = jnp.asarray(arr.children)
+    node_tokens = jnp.concatenate([jnp.zeros_like(draft_BN[:, :1]), draft_BN], axis=1)
+    node, walking = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
+    p, path = p_BNV[:, 0], []
+    keys = jax.random.split(key, tree.depth * children.shape[1] + 1)
+    for d in range(tree.depth):
+        kids = children[node]  # [B, W]
+        q = None if q_BNV is None else q_BNV[rows, jnp.maximum(kids[:, 0] - 1, 0)]  # shared by the siblings
+        moved, chosen = jnp.zeros((b,), bool), node
+        for w in range(children.shape[1]):
+            child = kids[:, w]
+            x = node_tokens[rows, jnp.maximum(child, 0)]
+            q_x = jax.nn.one_hot(x, vocab, dtype=p.dtype) if q is None else q
+            accept, p_rejected, q_rejected = sibling_step(p, q_x, x, without_replacement and q is not None)
+            possible = jnp.take_along_axis(q_x, x[:, None], axis=1)[:, 0] > 0  # else skipped: never drawn
+            tried = walking & ~moved & (child >= 0) & possible
+            hit = tried & (jax.random.uniform(keys[d * children.shape[1] + w], (b,)) < accept)
+            p = jnp.where((tried & ~hit)[:, None], p_rejected, p)
+            if q is not None:
+                q = jnp.where((tried & ~hit)[:, None], q_rejected, q)
+            chosen, moved = jnp.where(hit, child, chosen), moved | hit
+        path.append(jnp.where(moved, chosen, 0))
+        p = jnp.where(moved[:, None], p_BNV[rows, chosen], p)
+        node, walking = chosen, walking & moved
+    n = jnp.sum(jnp.stack(path, 1) > 0, axis=1)
+    nxt = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
+    return n, nxt, jnp.stack(path, axis=1)

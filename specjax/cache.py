@@ -29,11 +29,11 @@ class KVCache:
     def size(self) -> int:
         return self.k.shape[3]
 
-    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
-        """Writes `[B, kv_heads, T, head_dim]` keys/values of `layer` after each row's committed length."""
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, offset: int = 0) -> "KVCache":
+        """Writes `[B, kv_heads, T, head_dim]` keys/values of `layer` at slots `length + offset + [0, T)`."""
         batch, _, t, _ = k_new.shape
         rows = jnp.arange(batch)[:, None]
-        slots = self.length[:, None] + jnp.arange(t)[None, :]
+        slots = self.length[:, None] + offset + jnp.arange(t)[None, :]
         # advanced indices (rows, slots) around a slice: the indexed result is [B, T, kv_heads, head_dim]
         return self.replace(k=self.k.at[layer, rows, :, slots].set(k_new.swapaxes(1, 2).astype(self.k.dtype)),
                             v=self.v.at[layer, rows, :, :, slots].set(v_new.swapaxes(1, 2).astype(self.v.dtype)))
@@ -63,11 +63,12 @@ class KVCache:
         v = self.v.at[:, rows, :, :, dst].set(self.v[:, rows, :, :, src], mode="drop")
         return self.replace(k=k, v=v, length=self.length + n_keep)
 
-    def visible(self, mask_btt: jax.Array) -> jax.Array:
-        """Attention mask `[B, T, S]` for T new tokens: committed slots plus the new tokens `mask` allows."""
-        t = mask_btt.shape[-1]
+    def visible(self, mask_BTW: jax.Array) -> jax.Array:
+        """Attention mask `[B, T, S]`: committed slots, plus the uncommitted window `[length, length + W)`
+        as `mask_BTW` allows (the T new tokens occupy the window's last T slots)."""
+        batch, t, w = mask_BTW.shape
         rel = jnp.arange(self.size)[None, :] - self.length[:, None]  # [B, S]
-        in_new = (rel >= 0) & (rel < t)
-        idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (mask_btt.shape[0], t, self.size))
-        new_visible = jnp.take_along_axis(mask_btt, idx, axis=2) & in_new[:, None, :]
-        return (rel < 0)[:, None, :] | new_visible
+        in_window = (rel >= 0) & (rel < w)
+        idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (batch, t, self.size))
+        window_visible = jnp.take_along_axis(mask_BTW, idx, axis=2) & in_window[:, None, :]
+        return (rel < 0)[:, None, :] | window_visible

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.acceptance import greedy_chain, speculative_sampling
+from specjax.acceptance import greedy_chain, greedy_tree, speculative_sampling, tree_sampling
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.sampling import Sampler
@@ -149,33 +149,58 @@ class _Loop:
     stats: SpecStats
 
 
+def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key):
+    """One target pass over the pending token and the draft (chain or tree), then the acceptance rule.
+
+    Returns (n_accepted [B], next_token [B], accepted tokens [B, D], accepted node indices [B, D] or None
+    for a chain, cache with the accepted keys/values not yet committed)."""
+    tree = getattr(draft, "tree", None)
+    tokens = jnp.concatenate([pending_B[:, None], draft.tokens], axis=1)
+    if tree is None:
+        positions = cache.length[:, None] + jnp.arange(tokens.shape[1])[None]
+        logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1]))
+        if sampler.greedy:
+            n_acc, nxt = greedy_chain(draft.tokens, logits)
+        else:
+            n_acc, nxt = speculative_sampling(key, draft.tokens, draft.q_probs, sampler.probs(logits))
+        return n_acc, nxt, draft.tokens, None, cache
+    arr = tree.arrays
+    positions = cache.length[:, None] + jnp.asarray(arr.depth)[None]
+    logits, _, cache = forward(graphdef, params, tokens, positions, cache, jnp.asarray(arr.mask))
+    if sampler.greedy:
+        n_acc, nxt, path = greedy_tree(tree, draft.tokens, logits)
+    else:
+        n_acc, nxt, path = tree_sampling(key, tree, draft.tokens, draft.q_probs, sampler.probs(logits),
+                                         draft.without_replacement)
+    return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, cache
+
+
 def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B):
-    """One round: draft K -> verify K+1 in one target pass -> accept -> commit. Rows that are done stay put."""
-    k, sampler = drafter.k, spec.sampler
+    """One round: draft -> verify in one target pass -> accept -> commit. Rows that are done stay put."""
+    k = drafter.k  # most draft tokens one round can accept: the chain length or the tree depth
     key, k_draft, k_accept = jax.random.split(loop.key, 3)
     draft, drafter_state = drafter.propose(drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft)
-    pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)
-    tokens = jnp.concatenate([pending, draft.tokens], axis=1)  # [B, K+1]
-    positions = loop.cache.length[:, None] + jnp.arange(k + 1)[None]
-    logits, _, cache = forward(graphdef, params, tokens, positions, loop.cache, causal_mask(k + 1))
-    if sampler.greedy:
-        n_acc, nxt = greedy_chain(draft.tokens, logits)
-    else:
-        n_acc, nxt = speculative_sampling(k_accept, draft.tokens, draft.q_probs, sampler.probs(logits))
+    pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)[:, 0]
+    n_acc, nxt, accepted, path, cache = verify(cfg, graphdef, params, spec.sampler, draft, pending, loop.cache,
+                                               k_accept)
+    active = ~loop.done
+    if path is None:  # chain: the accepted tokens already sit right after the committed region
+        cache = cache.with_length(jnp.where(active, loop.cache.length + n_acc + 1, loop.cache.length))
+    else:  # tree: gather the root and the accepted path into the committed region
+        keep = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)
+        cache = cache.compact(keep, jnp.where(active, n_acc + 1, 0))
 
-    # Emit d_1..d_n then the next token, cut at EOS and at max_new_tokens; done rows emit nothing.
+    # Emit the accepted tokens then the next token, cut at EOS and at max_new_tokens; done rows emit nothing.
     idx = jnp.arange(k + 1)[None]
-    emitted = jnp.where(idx < n_acc[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), nxt[:, None])
+    emitted = jnp.where(idx < n_acc[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), nxt[:, None])
     is_eos = (emitted == (-1 if spec.eos_id is None else spec.eos_id)) & (idx <= n_acc[:, None])
     n_emit = jnp.minimum(n_acc + 1, jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, k + 1))
     n_emit = jnp.where(loop.done, 0, jnp.minimum(n_emit, limit_B - loop.n_tokens))
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    rows = jnp.arange(pending.shape[0])[:, None]
     write_at = jnp.where(idx < n_emit[:, None], loop.n_tokens[:, None] + idx, loop.seq.shape[1])  # else dropped
     seq = loop.seq.at[rows, write_at].set(emitted, mode="drop")
     n_tokens = loop.n_tokens + n_emit
-    active = ~loop.done
-    cache = cache.with_length(jnp.where(active, loop.cache.length + n_acc + 1, loop.cache.length))
-    drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens)
+    drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens, path)
 
     s = loop.stats
     count = active.astype(jnp.int32)
@@ -195,7 +220,7 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
     logits, cache = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
     key, sub = jax.random.split(key)
     first = spec.sampler.sample(sub, logits)
-    seq = jnp.zeros((batch, width + n_new + k + 1), jnp.int32).at[:, :width].set(tokens_BP)
+    seq = jnp.zeros((batch, spec.cache_size), jnp.int32).at[:, :width].set(tokens_BP)
     seq = seq.at[jnp.arange(batch), lengths_B].set(first)
     zeros = jnp.zeros((batch,), jnp.int32)
     stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32),
@@ -219,10 +244,14 @@ def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spe
         raise ValueError(f"K (draft tokens per round) must be an integer >= 1, got {drafter.k!r}")
     drafter.validate(cfg)
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
-    width, need = tokens.shape[1], tokens.shape[1] + spec.max_new_tokens + drafter.k + 1
+    tree = getattr(drafter, "tree", None)
+    verify_slots = drafter.k + 1 if tree is None else tree.size
+    width, need = tokens.shape[1], tokens.shape[1] + spec.max_new_tokens + verify_slots
     if spec.cache_size and need > spec.cache_size:
-        raise ValueError(f"K={drafter.k} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens + "
-                         f"K + 1 verification slots = {need} > cache_size {spec.cache_size}; lower K or raise the cache")
+        what = f"K={drafter.k}" if tree is None else f"a tree of {tree.size} nodes"
+        raise ValueError(f"{what} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens + "
+                         f"{verify_slots} verification slots = {need} > cache_size {spec.cache_size}; "
+                         "draft less or raise the cache")
     size = spec.cache_size or -(-need // CACHE_BUCKET) * CACHE_BUCKET
     return tokens, lengths, dataclasses.replace(spec, cache_size=size)
 

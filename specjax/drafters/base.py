@@ -16,12 +16,17 @@ from flax import struct
 
 @struct.dataclass
 class Draft:
-    tokens: jax.Array  # [B, K] int32 proposed tokens
-    q_probs: jax.Array | None = None  # [B, K, V] warped draft distributions; None: deterministic proposal
+    """A chain (`tree=None`: token i follows token i-1) or a tree (`tokens[:, j - 1]` is node j of `tree`)."""
+
+    tokens: jax.Array  # [B, K] (chain) or [B, N] (tree nodes) int32
+    q_probs: jax.Array | None = None  # [B, K|N, V] warped distribution each token was drawn from; None: deterministic
+    tree: object = struct.field(pytree_node=False, default=None)  # specjax.trees.Tree
+    without_replacement: bool = struct.field(pytree_node=False, default=False)  # siblings drawn without replacement
 
 
 class Drafter(Protocol):
-    k: int  # draft tokens per round (static)
+    k: int  # most draft tokens one round can accept: chain length or tree depth (static)
+    tree: object  # the static tree it proposes, or None for a chain
 
     def validate(self, target_cfg) -> None:
         """Raises a clear error if this drafter cannot serve `target_cfg` (e.g. vocabulary mismatch)."""
@@ -32,6 +37,6 @@ class Drafter(Protocol):
     def propose(self, params, state, seq_BS: jax.Array, n_tokens_B: jax.Array, key: jax.Array):
         """(Draft, state): K tokens continuing `seq_BS[b, :n_tokens_B[b]]` (its last token is pending)."""
 
-    def commit(self, params, state, n_accepted_B: jax.Array, n_tokens_B: jax.Array):
-        """State after verification: `n_accepted_B` draft tokens were kept and the sequence now has
-        `n_tokens_B` tokens (the last one pending)."""
+    def commit(self, params, state, n_accepted_B: jax.Array, n_tokens_B: jax.Array, path_BD: jax.Array | None):
+        """State after verification: `n_accepted_B` draft tokens were kept (tree nodes `path_BD`, by depth;
+        None for a chain) and the sequence now has `n_tokens_B` tokens (the last one pending)."""

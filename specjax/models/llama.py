@@ -1,6 +1,6 @@
 """Llama-family decoder in Flax NNX with explicit positions, a new-token mask and a static KV cache.
 
-`forward(graphdef, params, tokens_BT, positions_BT, cache, mask_BTT)` is the pure function every
+`forward(graphdef, params, tokens_BT, positions_BT, cache, mask_BTW)` is the pure function every
 decoding loop calls; the NNX module only defines parameters and the computation.
 """
 
@@ -65,14 +65,14 @@ class Block(nnx.Module):
         self.w_gate_up = linear(cfg.dim, 2 * cfg.hidden_dim, False)
         self.w_down = linear(cfg.hidden_dim, cfg.dim, False)
 
-    def __call__(self, x_BTD, cos, sin, cache: KVCache, visible_BTS):
+    def __call__(self, x_BTD, cos, sin, cache: KVCache, visible_BTS, offset: int):
         b, t, _ = x_BTD.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(self.attn_norm(x_BTD))
         q = apply_rope(qkv[..., : h * hd].reshape(b, t, h, hd), cos, sin)
         k = apply_rope(qkv[..., h * hd: (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
         v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
-        cache = cache.write(self.layer, k.swapaxes(1, 2), v.swapaxes(1, 2))
+        cache = cache.write(self.layer, k.swapaxes(1, 2), v.swapaxes(1, 2), offset)
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B, kv, S, hd]
         q = q.reshape(b, t, kv, h // kv, hd)
         scores = jnp.einsum("btkgd,bksd->bkgts", q, k_all, preferred_element_type=jnp.float32)
@@ -97,16 +97,16 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, dt, rngs)
         self.inv_freq = tuple(float(f) for f in cfg.inv_freq())  # static, not a parameter
 
-    def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTT, taps: tuple[int, ...] = ()):
+    def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
         b, t = tokens_BT.shape
-        mask_BTT = jnp.broadcast_to(mask_BTT, (b, t, t))
+        mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
         angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
-        visible = cache.visible(mask_BTT)
+        visible = cache.visible(mask_BTW)
         x = self.embed(tokens_BT)
         tapped = []
         for i, block in enumerate(self.layers):
-            x, cache = block(x, cos, sin, cache, visible)
+            x, cache = block(x, cos, sin, cache, visible, mask_BTW.shape[-1] - t)
             if i in taps:
                 tapped.append(x)
         final = self.norm(x)
@@ -115,13 +115,16 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32), Hidden(final, tuple(tapped)), cache
 
 
-def forward(graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTT, taps: tuple[int, ...] = ()):
+def forward(graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
     """Pure forward: `(logits[B,T,V] float32, Hidden, cache with the T new keys/values written)`.
 
-    The cache's committed length is unchanged: commit with `cache.advance`, or keep a subset with
-    `cache.compact`. `mask_BTT` ([T, T] or [B, T, T], bool) says which new tokens each new token sees.
+    Every token sees the committed cache. `mask_BTW` ([T, W] or [B, T, W], bool, W >= T) says which
+    slots of the uncommitted window `[length, length + W)` each new token sees; the new tokens are
+    written at its last T slots (W = T: a plain block of new tokens; W > T: a tree drafted level by
+    level). The committed length is unchanged: commit with `cache.advance`, keep a subset with
+    `cache.compact`.
     """
-    return nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache, mask_BTT, taps)
+    return nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache, mask_BTW, taps)
 
 
 def causal_mask(t: int) -> jax.Array:

@@ -101,18 +101,26 @@ def balanced(width: int, depth: int) -> Tree:
     return Tree(tuple(p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)))
 
 
-def medusa_like(budget: int = 60) -> Tree:
+# Stand-in per-rank acceptance of a drafting head (top-1 .. top-10), for shaping sparse trees.
+RANK_ACCEPTANCE = (0.6, 0.15, 0.07, 0.04, 0.03, 0.02, 0.015, 0.01, 0.008, 0.006)
+
+
+def medusa_like(budget: int = 60, max_depth: int = 5, head_decay: float = 0.7) -> Tree:
     """A sparse tree shaped like the Medusa paper's: wide at depth 1, narrowing with depth.
 
-    Nodes are added greedily by a rank-decay score (product of 1 / (rank + 1) ** 1.5 along the path,
-    a stand-in for measured per-rank acceptance), which favours top ranks and short paths."""
-    score = lambda p: float(np.prod([1.0 / (r + 1) ** 1.5 for r in p]) * 0.6 ** len(p))
+    Nodes are added greedily by the probability that their whole path is accepted, with per-rank
+    acceptance `RANK_ACCEPTANCE` scaled by `head_decay` per depth (later heads guess worse): the
+    construction of Medusa's sparse trees, on stand-in numbers."""
+    score = lambda p: float(np.prod([RANK_ACCEPTANCE[r] * head_decay ** d for d, r in enumerate(p)]))
     chosen, frontier = [], [(0,)]
     while len(chosen) < budget:
         best = max(frontier, key=score)
         frontier.remove(best)
         chosen.append(best)
-        frontier += [best + (0,), best[:-1] + (best[-1] + 1,)]
+        if len(best) < max_depth:
+            frontier.append(best + (0,))
+        if best[-1] + 1 < len(RANK_ACCEPTANCE):
+            frontier.append(best[:-1] + (best[-1] + 1,))
     return Tree(tuple(chosen))
 
 

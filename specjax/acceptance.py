@@ -64,19 +64,20 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
 
 # --- trees ------------------------------------------------------------------------------------------
 
-def greedy_tree(tree, draft_BN: jax.Array, target_logits_BNV: jax.Array):
+def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
     """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
 
-    Returns (n_accepted [B], next_token [B], path [B, D]: accepted node indices by depth, 0 padded)."""
-    arr = tree.arrays
+    `layout` is a `specjax.trees.TreeLayout`. Returns (n_accepted [B], next_token [B],
+    path [B, D]: accepted node indices by depth, 0 padded)."""
     target = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)  # [B, N+1]
-    ok = jnp.concatenate([jnp.ones_like(draft_BN[:, :1], bool), draft_BN == target[:, arr.parent[1:]]], axis=1)
-    for _ in range(tree.depth):  # a node is kept only if its whole path matches
-        ok = ok & ok[:, arr.parent]
-    n_nodes = tree.size
-    best = jnp.argmax(jnp.where(ok, arr.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1)
+    parent_target = jnp.take_along_axis(target, layout.parent, axis=1)
+    ok = jnp.concatenate([jnp.ones_like(draft_BN[:, :1], bool), draft_BN == parent_target[:, 1:]], axis=1)
+    for _ in range(layout.ancestors.shape[-1]):  # a node is kept only if its whole path matches
+        ok = ok & jnp.take_along_axis(ok, layout.parent, axis=1)
+    n_nodes = ok.shape[1]
+    best = jnp.argmax(jnp.where(ok, layout.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1)
     rows = jnp.arange(draft_BN.shape[0])
-    return jnp.asarray(arr.depth)[best], target[rows, best], jnp.asarray(arr.ancestors)[best]
+    return layout.depth[rows, best], target[rows, best], layout.ancestors[rows, best]
 
 
 def sibling_step(p_BV, q_BV, x_B, without_replacement: bool):
@@ -96,7 +97,7 @@ def sibling_step(p_BV, q_BV, x_B, without_replacement: bool):
     return accept, residual(p_BV, q_BV), q_next
 
 
-def tree_sampling(key, tree, draft_BN, q_BNV, p_BNV, without_replacement: bool = False):
+def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool = False):
     """Lossless tree verification by recursive rejection sampling; the output is distributed as p.
 
     From the root, the children of the current node are tried in rank order with `sibling_step`; the
@@ -104,26 +105,25 @@ def tree_sampling(key, tree, draft_BN, q_BNV, p_BNV, without_replacement: bool =
     token is drawn from the current (residual) p. `q_BNV[:, j - 1]` is the draft distribution node j
     was drawn from (None: deterministic candidates, each a point mass). p_BNV has N+1 nodes (root first).
     Returns (n_accepted [B], next_token [B], path [B, D])."""
-    arr = tree.arrays
     b, vocab = draft_BN.shape[0], p_BNV.shape[-1]
+    depth, width = layout.ancestors.shape[-1], layout.children.shape[-1]
     rows = jnp.arange(b)
-    children = jnp.asarray(arr.children)
     node_tokens = jnp.concatenate([jnp.zeros_like(draft_BN[:, :1]), draft_BN], axis=1)
     node, walking = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
     p, path = p_BNV[:, 0], []
-    keys = jax.random.split(key, tree.depth * children.shape[1] + 1)
-    for d in range(tree.depth):
-        kids = children[node]  # [B, W]
+    keys = jax.random.split(key, depth * width + 1)
+    for d in range(depth):
+        kids = layout.children[rows, node]  # [B, W]
         q = None if q_BNV is None else q_BNV[rows, jnp.maximum(kids[:, 0] - 1, 0)]  # shared by the siblings
         moved, chosen = jnp.zeros((b,), bool), node
-        for w in range(children.shape[1]):
+        for w in range(width):
             child = kids[:, w]
             x = node_tokens[rows, jnp.maximum(child, 0)]
             q_x = jax.nn.one_hot(x, vocab, dtype=p.dtype) if q is None else q
             accept, p_rejected, q_rejected = sibling_step(p, q_x, x, without_replacement and q is not None)
             possible = jnp.take_along_axis(q_x, x[:, None], axis=1)[:, 0] > 0  # else skipped: never drawn
             tried = walking & ~moved & (child >= 0) & possible
-            hit = tried & (jax.random.uniform(keys[d * children.shape[1] + w], (b,)) < accept)
+            hit = tried & (jax.random.uniform(keys[d * width + w], (b,)) < accept)
             p = jnp.where((tried & ~hit)[:, None], p_rejected, p)
             if q is not None:
                 q = jnp.where((tried & ~hit)[:, None], q_rejected, q)

@@ -154,9 +154,9 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
 
     Returns (n_accepted [B], next_token [B], accepted tokens [B, D], accepted node indices [B, D] or None
     for a chain, cache with the accepted keys/values not yet committed)."""
-    tree = getattr(draft, "tree", None)
     tokens = jnp.concatenate([pending_B[:, None], draft.tokens], axis=1)
-    if tree is None:
+    layout = draft.layout
+    if layout is None:
         positions = cache.length[:, None] + jnp.arange(tokens.shape[1])[None]
         logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1]))
         if sampler.greedy:
@@ -164,13 +164,12 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
         else:
             n_acc, nxt = speculative_sampling(key, draft.tokens, draft.q_probs, sampler.probs(logits))
         return n_acc, nxt, draft.tokens, None, cache
-    arr = tree.arrays
-    positions = cache.length[:, None] + jnp.asarray(arr.depth)[None]
-    logits, _, cache = forward(graphdef, params, tokens, positions, cache, jnp.asarray(arr.mask))
+    positions = cache.length[:, None] + layout.depth
+    logits, _, cache = forward(graphdef, params, tokens, positions, cache, layout.mask)
     if sampler.greedy:
-        n_acc, nxt, path = greedy_tree(tree, draft.tokens, logits)
+        n_acc, nxt, path = greedy_tree(layout, draft.tokens, logits)
     else:
-        n_acc, nxt, path = tree_sampling(key, tree, draft.tokens, draft.q_probs, sampler.probs(logits),
+        n_acc, nxt, path = tree_sampling(key, layout, draft.tokens, draft.q_probs, sampler.probs(logits),
                                          draft.without_replacement)
     return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, cache
 
@@ -245,7 +244,7 @@ def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spe
     drafter.validate(cfg)
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
     tree = getattr(drafter, "tree", None)
-    verify_slots = drafter.k + 1 if tree is None else tree.size
+    verify_slots = getattr(drafter, "slack", drafter.k + 1)
     width, need = tokens.shape[1], tokens.shape[1] + spec.max_new_tokens + verify_slots
     if spec.cache_size and need > spec.cache_size:
         what = f"K={drafter.k}" if tree is None else f"a tree of {tree.size} nodes"

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 
 class TreeError(ValueError):
@@ -125,3 +128,65 @@ def medusa_like(budget: int = 60, max_depth: int = 5, head_decay: float = 0.7) -
 
 
 PRESETS = {"chain4": chain(4), "balanced_2x3": balanced(2, 3), "medusa60": medusa_like(60)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2-style dynamic tree with static budgets: expand the `top_k` best frontier nodes by `top_k`
+    children each for `depth` levels (scored by cumulative draft log-probability), then keep the best
+    `total_tokens` nodes. Shapes are static; which nodes are kept is decided on device."""
+
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    def __post_init__(self):
+        most = self.top_k + (self.depth - 1) * self.top_k ** 2
+        if min(self.top_k, self.depth, self.total_tokens) < 1 or self.total_tokens > most:
+            raise TreeError(f"dynamic tree needs top_k, depth >= 1 and 1 <= total_tokens <= {most} "
+                            f"(the candidates it generates); got {self}")
+
+    @property
+    def size(self) -> int:
+        return self.total_tokens + 1
+
+
+@struct.dataclass
+class TreeLayout:
+    """A tree's index arrays on device, one tree per batch row (static trees broadcast, dynamic trees vary)."""
+
+    parent: jax.Array  # [B, N+1]
+    depth: jax.Array  # [B, N+1]
+    ancestors: jax.Array  # [B, N+1, D] path from depth 1 to the node, 0 padded
+    children: jax.Array  # [B, N+1, W] -1 padded, in the order siblings are tried
+    mask: jax.Array  # [B, N+1, N+1] ancestor-or-self
+
+    @classmethod
+    def from_tree(cls, tree: Tree, batch: int) -> "TreeLayout":
+        a = tree.arrays
+        return cls(*(jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)
+                     for x in (a.parent, a.depth, a.ancestors, a.children, a.mask)))
+
+    @classmethod
+    def from_parents(cls, parent_BN: jax.Array, depth: int, width: int) -> "TreeLayout":
+        """From parent pointers (parents before children, root 0 its own parent); siblings in index order."""
+        b, n = parent_BN.shape
+        rows, nodes = jnp.arange(b)[:, None], jnp.arange(n)[None]
+        chain = [jnp.broadcast_to(nodes, (b, n))]  # chain[d] = the ancestor d steps up
+        for _ in range(depth):
+            chain.append(jnp.take_along_axis(parent_BN, chain[-1], axis=1))
+        node_depth = sum((c > 0).astype(jnp.int32) for c in chain[:-1])
+        mask = jnp.zeros((b, n, n), bool)
+        for c in chain:
+            mask = mask.at[rows, nodes, c].set(True)
+        # ancestors[i, d - 1] = the ancestor at depth d = chain[depth(i) - d]
+        stacked = jnp.stack(chain, axis=-1)  # [B, N, depth + 1]
+        up = node_depth[..., None] - jnp.arange(1, depth + 1)
+        ancestors = jnp.where(up >= 0, jnp.take_along_axis(stacked, jnp.maximum(up, 0), axis=-1), 0)
+        same_parent = (parent_BN[:, None, :] == parent_BN[:, :, None]) & (nodes > 0)[:, None, :]
+        sibling_rank = jnp.cumsum(same_parent, axis=2)  # [B, N, N]: siblings up to and including j
+        rank = jnp.take_along_axis(sibling_rank, nodes[..., None].repeat(b, 0), axis=2)[..., 0] - 1
+        children = jnp.full((b, n, width), -1, jnp.int32)
+        target_rank = jnp.where(nodes > 0, rank, width)  # the root is nobody's child: dropped
+        children = children.at[rows, parent_BN, target_rank].set(jnp.broadcast_to(nodes, (b, n)), mode="drop")
+        return cls(parent_BN, node_depth, ancestors, children, mask)

@@ -15,7 +15,9 @@ from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
 from specjax.models.llama import init_params
 from specjax.sampling import Sampler
-from specjax.trees import PRESETS, Tree, TreeError, balanced, chain
+from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, TreeLayout, balanced, chain
+
+DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
 from test_speculative import RAGGED, SMALL, TARGET, first_three, peaked, two_sample_pvalue
 
 V = 5
@@ -34,6 +36,21 @@ def test_mask_is_exactly_the_ancestors(name):
     assert (arr.parent[1:] < np.arange(1, tree.size)).all()  # parents come first
     for i, p in enumerate(nodes[1:], start=1):
         assert [nodes[k] for k in arr.ancestors[i][: len(p)]] == [p[:d] for d in range(1, len(p) + 1)]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_layout_from_parents_matches_static_arrays(name):
+    tree = PRESETS[name]
+    a = tree.arrays
+    dynamic = TreeLayout.from_parents(jnp.asarray(a.parent)[None], tree.depth, a.children.shape[1])
+    static = TreeLayout.from_tree(tree, 1)
+    for got, want in zip(jax.tree.leaves(dynamic), jax.tree.leaves(static), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_invalid_dynamic_tree():
+    with pytest.raises(TreeError, match="total_tokens <= 10"):
+        DynamicTree(2, 3, 11)
 
 
 def test_presets_shapes():
@@ -131,7 +148,8 @@ def test_tree_sampling_one_level_frequencies():
     draft = jax.lax.top_k(scores, 3)[1].astype(jnp.int32)  # without replacement
     p_b = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, 4, V))
     q_b = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 3, V))
-    n_acc, nxt, path = tree_sampling(jax.random.key(1), tree, draft, q_b, p_b, without_replacement=True)
+    layout = TreeLayout.from_tree(tree, n)
+    n_acc, nxt, path = tree_sampling(jax.random.key(1), layout, draft, q_b, p_b, without_replacement=True)
     first = np.where(np.asarray(n_acc) == 1, np.asarray(draft)[np.arange(n), np.asarray(path[:, 0]) - 1],
                      np.asarray(nxt))
     np.testing.assert_allclose(np.bincount(first, minlength=V) / n, p, atol=4 * np.sqrt(0.25 / n))
@@ -161,12 +179,25 @@ def test_greedy_tree_speculation_equals_ar(model, stories):
     spec = GenerateSpec(40, eos_id=None)
     ar = np.asarray(generate(cfg, graphdef, params, prompts, spec).tokens)
     short_cfg, short_graphdef, short_params = truncated_target(cfg, params, 1)
-    for name, tree in PRESETS.items():
+    for name, tree in list(PRESETS.items()) + [(str(d), d) for d in DYNAMIC]:
         for dcfg, dgraphdef, dparams in [(short_cfg, short_graphdef, short_params), (cfg, graphdef, params)]:
             drafter = DraftModel(dcfg, dgraphdef, tree.depth, tree=tree)
             gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
             np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=f"{name}, {dcfg.n_layers} layers")
-        assert summarize(gen.stats)["tau"] > 0.9 * min(tree.depth + 1, 39)  # self-draft accepts whole paths
+        if isinstance(tree, Tree):  # a self-draft's static tree holds the argmax path: whole paths accepted
+            assert summarize(gen.stats)["tau"] > 0.9 * min(tree.depth + 1, 39)
+
+
+@pytest.mark.parametrize("sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"])
+def test_sampled_dynamic_tree_is_distributed_as_ar(sampler):
+    graphdef, params = peaked(SMALL, 0)
+    dgraphdef, dparams = peaked(SMALL.replace(n_layers=1), 5)
+    prompts, spec = [[1, 3]] * 20_000, GenerateSpec(3, sampler, eos_id=None)
+    ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
+    drafter = DraftModel(SMALL.replace(n_layers=1), dgraphdef, 2, sampler, tree=DynamicTree(2, 2, 4))
+    gen = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
+    assert np.asarray(gen.stats.accepted_hist)[:-1].sum() > 1000
+    assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
 
 @pytest.mark.parametrize("sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"])

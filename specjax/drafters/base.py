@@ -16,17 +16,17 @@ from flax import struct
 
 @struct.dataclass
 class Draft:
-    """A chain (`tree=None`: token i follows token i-1) or a tree (`tokens[:, j - 1]` is node j of `tree`)."""
+    """A chain (`layout=None`: token i follows token i-1) or a tree (`tokens[:, j - 1]` is node j of `layout`)."""
 
     tokens: jax.Array  # [B, K] (chain) or [B, N] (tree nodes) int32
     q_probs: jax.Array | None = None  # [B, K|N, V] warped distribution each token was drawn from; None: deterministic
-    tree: object = struct.field(pytree_node=False, default=None)  # specjax.trees.Tree
+    layout: object = None  # specjax.trees.TreeLayout for a tree
     without_replacement: bool = struct.field(pytree_node=False, default=False)  # siblings drawn without replacement
 
 
 class Drafter(Protocol):
     k: int  # most draft tokens one round can accept: chain length or tree depth (static)
-    tree: object  # the static tree it proposes, or None for a chain
+    tree: object  # the tree it proposes (`specjax.trees.Tree` or `DynamicTree`), or None for a chain
 
     def validate(self, target_cfg) -> None:
         """Raises a clear error if this drafter cannot serve `target_cfg` (e.g. vocabulary mismatch)."""

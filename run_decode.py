@@ -14,6 +14,7 @@ from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
 from specjax.runner import decode_texts
 from specjax.sampling import Sampler
+from specjax.trees import parse_tree
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Model path, hub repo id, or None for stories260K (see specjax/models/loading.py).")
@@ -29,7 +30,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Param
 flags.DEFINE_enum("drafter", "none", ["none", "draft_model"], "Draft source; none = plain AR decoding.")
 flags.DEFINE_string("draft_model", None, "Draft model path/name (default: the target truncated to --draft_layers).")
 flags.DEFINE_integer("draft_layers", 1, "Layers of the truncated-target draft when --draft_model is not given.")
-flags.DEFINE_integer("k", 4, "Draft tokens per round.")
+flags.DEFINE_integer("k", 4, "Draft tokens per round (chains; a tree sets it to its depth).")
+flags.DEFINE_string("tree", "", "Draft a tree: a preset (chain4, balanced_2x3, medusa60), 'dynamic:TOP_K,DEPTH,TOTAL' "
+                    "or paths like '0;1;0,0'. Empty: a chain of --k tokens.")
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 
 
@@ -44,11 +47,13 @@ def read_prompts() -> list[str]:
 def make_drafter(target, sampler):
     if FLAGS.drafter == "none":
         return None, None
+    tree = parse_tree(FLAGS.tree)
+    k = FLAGS.k if tree is None else tree.depth
     if FLAGS.draft_model:
         draft = load_model(FLAGS.draft_model, FLAGS.dtype)
-        return DraftModel(draft.cfg, draft.graphdef, FLAGS.k, sampler), draft.params
+        return DraftModel(draft.cfg, draft.graphdef, k, sampler, tree), draft.params
     cfg, graphdef, params = truncated_target(target.cfg, target.params, FLAGS.draft_layers)
-    return DraftModel(cfg, graphdef, FLAGS.k, sampler), params
+    return DraftModel(cfg, graphdef, k, sampler, tree), params
 
 
 def main(argv):

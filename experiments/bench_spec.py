@@ -8,7 +8,6 @@ its own compiled loop), and transformers' `generate(assistant_model=...)` speedu
 Writes results/bench_spec.{md,csv}.
 """
 
-import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,12 +19,11 @@ import torch
 import transformers
 from absl import app, flags, logging
 
-from experiments.common import SHAPES, median_time, random_hf_model, write_table
+from experiments.common import SHAPES, median_time, per_call_seconds, random_hf_model, write_table
 from specjax.decode import GenerateSpec, compile_decode
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.models.loading import load_model
 from specjax.models.weights import params_from_hf, read_safetensors
 from specjax.sampling import Sampler
@@ -59,23 +57,6 @@ def drafts(name: str, target_dir: Path, tmp: Path):
     random_hf_model(RANDOM_DRAFT[name], tmp / "random", seed=5)
     out["random"] = tmp / "random"
     return out
-
-
-def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32) -> float:
-    """Time of one forward of `t` tokens in a compiled loop where each call's input is the previous call's
-    argmax (a true dependency chain, as in decoding); batch 1, cache of `cache_size`."""
-    @jax.jit
-    def loop(params, cache):
-        positions = cache.length[:, None] + jnp.arange(t)[None]
-
-        def body(_, carry):
-            tokens, cache = carry
-            logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
-        return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
-
-    cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
-    return median_time(lambda: loop(params, cache).block_until_ready(), FLAGS.repeats) / calls
 
 
 def hf_generate_seconds(target, assistant, ids, n, k, temperature):
@@ -114,8 +95,8 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 spec_s = median_time(lambda: jax.block_until_ready(run([prompt])), FLAGS.repeats)
                 m = summarize(gen.stats)
                 size = -(-(8 * -(-len(prompt) // 8) + n + k + 1) // 64) * 64
-                draft_step = per_call_seconds(dcfg, dgraphdef, dparams, 1, size)
-                verify = per_call_seconds(cfg, target.graphdef, target.params, k + 1, size)
+                draft_step = per_call_seconds(dcfg, dgraphdef, dparams, 1, size, FLAGS.repeats)
+                verify = per_call_seconds(cfg, target.graphdef, target.params, k + 1, size, FLAGS.repeats)
                 hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
                 rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
                                  draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=ar_s / spec_s,

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.llama import causal_mask, forward, init_cache
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 # Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
@@ -44,6 +46,23 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32) -> float:
+    """Time of one forward of `t` tokens in a compiled loop where each call's input is the previous call's
+    argmax (a true dependency chain, as in decoding); batch 1, cache of `cache_size`."""
+    @jax.jit
+    def loop(params, cache):
+        positions = cache.length[:, None] + jnp.arange(t)[None]
+
+        def body(_, carry):
+            tokens, cache = carry
+            logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
+
+    cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
+    return median_time(lambda: loop(params, cache).block_until_ready(), repeats) / calls
 
 
 def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:

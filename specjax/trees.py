@@ -190,3 +190,21 @@ class TreeLayout:
         target_rank = jnp.where(nodes > 0, rank, width)  # the root is nobody's child: dropped
         children = children.at[rows, parent_BN, target_rank].set(jnp.broadcast_to(nodes, (b, n)), mode="drop")
         return cls(parent_BN, node_depth, ancestors, children, mask)
+
+
+def parse_tree(spec: str) -> Tree | DynamicTree | None:
+    """'' -> None (chain); a preset name; 'dynamic:TOP_K,DEPTH,TOTAL_TOKENS'; or paths like '0;1;0,0'."""
+    if not spec:
+        return None
+    if spec in PRESETS:
+        return PRESETS[spec]
+    try:
+        if spec.startswith("dynamic:"):
+            top_k, depth, total = (int(x) for x in spec.removeprefix("dynamic:").split(","))
+            return DynamicTree(top_k, depth, total)
+        return Tree(tuple(tuple(int(r) for r in path.split(",")) for path in spec.split(";")))
+    except ValueError as err:
+        if isinstance(err, TreeError):
+            raise
+        raise TreeError(f"cannot read tree {spec!r}: use one of {sorted(PRESETS)}, 'dynamic:TOP_K,DEPTH,TOTAL' "
+                        "or paths like '0;1;0,0'") from err

@@ -1,0 +1,72 @@
+"""Chain vs static tree presets vs EAGLE-2-style dynamic trees on stories260K with a truncated-target draft.
+
+    .venv/bin/python -m experiments.bench_trees [--draft_layers=3] [--repeats=5] [--new_tokens=128]
+
+Per tree and temperature: tau, verify-pass cost relative to a 1-token pass, tokens/s and speedup over AR,
+side by side in one run. Writes results/bench_trees.{md,csv}.
+"""
+
+import jax
+from absl import app, flags, logging
+
+from experiments.common import median_time, per_call_seconds, write_table
+from specjax.decode import GenerateSpec, compile_decode
+from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.models.loading import load_model
+from specjax.sampling import Sampler
+from specjax.trees import PRESETS, DynamicTree
+
+flags.DEFINE_integer("draft_layers", 3, "Layers of the truncated-target draft (stories260K has 5).")
+flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")
+flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
+flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+FLAGS = flags.FLAGS
+PROMPTS = ["Once upon a time, there was a little", "Tom and his dog went to the", "Lily wanted to"]
+TREES = [("chain K=4", None), ("chain4 (as tree)", PRESETS["chain4"]), ("balanced_2x3", PRESETS["balanced_2x3"]),
+         ("medusa60", PRESETS["medusa60"]), ("dynamic 2,4,8", DynamicTree(2, 4, 8)),
+         ("dynamic 4,4,16", DynamicTree(4, 4, 16)), ("dynamic 4,5,32", DynamicTree(4, 5, 32))]
+
+
+def decode_seconds(cfg, graphdef, params, prompts, spec, drafter=None, dparams=None):
+    """Summed median decode time over the prompts (batch 1 each), and the runs' statistics."""
+    total, stats = 0.0, []
+    for p in prompts:
+        run, _ = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams)
+        stats.append(getattr(jax.block_until_ready(run([p])), "stats", None))
+        total += median_time(lambda: jax.block_until_ready(run([p])), FLAGS.repeats)
+    return total, stats
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    target = load_model()
+    cfg, graphdef, params = target.cfg, target.graphdef, target.params
+    dcfg, dgraphdef, dparams = truncated_target(cfg, params, FLAGS.draft_layers)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS]
+    n, rows = FLAGS.new_tokens, []
+    one_token = per_call_seconds(cfg, graphdef, params, 1, 256, FLAGS.repeats)
+    for temperature in map(float, FLAGS.temperatures):
+        spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
+        ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec)
+        rows.append(dict(tree="none (AR)", nodes=1, T=temperature, tau=1.0, verify_cost=1.0, tok_s=len(prompts) * n / ar_s,
+                         speedup=1.0))
+        for name, tree in TREES:
+            k = 4 if tree is None else tree.depth
+            drafter = DraftModel(dcfg, dgraphdef, k, Sampler(temperature), tree)
+            spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, drafter, dparams)
+            emitted = sum(int(s.emitted.sum()) for s in stats)
+            passes = sum(int(s.row_rounds.sum()) for s in stats)
+            nodes = k + 1 if tree is None else tree.size
+            verify = per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
+            rows.append(dict(tree=name, nodes=nodes, T=temperature, tau=emitted / passes, verify_cost=verify,
+                             tok_s=len(prompts) * n / spec_s, speedup=ar_s / spec_s))
+            print(rows[-1], flush=True)
+    title = (f"Trees on stories260K, draft = target truncated to {FLAGS.draft_layers} layers, batch 1, {n} new tokens "
+             f"x {len(prompts)} prompts, float32, medians of {FLAGS.repeats}; verify_cost = target pass over `nodes` "
+             "tokens / 1-token pass")
+    print(write_table("bench_trees", rows, title))
+
+
+if __name__ == "__main__":
+    app.run(main)

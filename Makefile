@@ -21,4 +21,4 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.test
-	$(PY) experiments/bench_ar.py
+	$(PY) -m experiments.bench_ar

@@ -1,6 +1,6 @@
 """specjax AR decoding vs transformers' PyTorch `generate` on identical weights (batch 1, greedy, float32).
 
-    .venv/bin/python experiments/bench_ar.py [--repeats=5] [--new_tokens=128] [--models=stories260K,llama-15M,llama-110M]
+    .venv/bin/python -m experiments.bench_ar [--repeats=5] [--new_tokens=128] [--models=stories260K,llama-15M,llama-110M]
 
 Writes results/bench_ar.{md,csv}. The bandwidth floor is (weight bytes + KV-cache bytes read) per token
 over the read bandwidth measured in the same run.

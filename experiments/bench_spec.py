@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.models.llama import causal_mask, forward, init_cache
 

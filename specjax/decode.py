@@ -1,4 +1,5 @@
-"""Autoregressive decoding: prefill and generation in one `jax.jit` with a `lax.while_loop`."""
+"""Decoding loops, each one `jax.jit` (prefill, then a `lax.while_loop`): autoregressive (`generate`) and
+speculative (`speculative_generate`: draft -> verify in one target pass -> accept -> commit)."""
 
 from __future__ import annotations
 

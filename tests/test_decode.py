@@ -1,6 +1,5 @@
 """Compiled AR decoding: ragged batches, per-row EOS, reproducible sampling, exact warpers."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

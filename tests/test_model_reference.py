@@ -1,5 +1,6 @@
 """The decoder reproduces transformers' PyTorch logits (prefill and cached step-by-step decoding)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,3 +75,29 @@ def test_hidden_taps_match_transformers(tmp_path):
     for layer in (0, 1):  # HF's hidden_states[i + 1] is the output of layer i
         np.testing.assert_allclose(np.asarray(hidden.taps[layer]), states[layer + 1].numpy(), atol=1e-4)
     np.testing.assert_allclose(np.asarray(hidden.final), states[-1].numpy(), atol=1e-4)
+
+
+def test_sharded_safetensors_load_like_a_single_file(tmp_path):
+    cfg = CONFIGS["llama_gqa_tied"]
+    model, cfg, single = torch_reference(cfg, tmp_path / "single", seed=3)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    sharded = read_safetensors(tmp_path / "sharded")
+    assert sorted(sharded) == sorted(single)
+    for name in single:
+        np.testing.assert_array_equal(sharded[name], single[name])
+
+
+def test_bfloat16_forward_tracks_float32(tmp_path):
+    model, cfg, tensors = torch_reference(CONFIGS["qwen2_bias_gqa"], tmp_path, seed=2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, SEQ)))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        c = cfg.replace(dtype=dtype)
+        graphdef, params = params_from_hf(c, tensors)
+        assert jax.tree.leaves(params)[0].dtype == jnp.dtype(dtype)
+        out[dtype] = np.asarray(forward(graphdef, params, tokens, jnp.arange(SEQ)[None], init_cache(c, 1, 16),
+                                        causal_mask(SEQ))[0])
+    scale = np.abs(out["float32"]).max()
+    assert np.abs(out["bfloat16"] - out["float32"]).max() < 0.05 * scale
+    assert (out["bfloat16"].argmax(-1) == out["float32"].argmax(-1)).mean() > 0.8

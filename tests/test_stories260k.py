@@ -30,8 +30,12 @@ def test_reference_outputs(source, stories, llama2c):
 
 
 def test_tokenizers_agree(stories, llama2c):
+    from specjax.tokenizer import SentencePieceTokenizer
+
     text = 'Tom said, "Héllo!"\nThe end. 123'
-    assert stories.tokenizer.encode(text) == llama2c.tokenizer.encode(text)
+    sentencepiece = SentencePieceTokenizer(STORIES / "tokenizer.model")
+    assert stories.tokenizer.encode(text) == llama2c.tokenizer.encode(text) == sentencepiece.encode(text)
+    assert sentencepiece.decode(sentencepiece.encode(text)[1:]) == text
     ids = stories.tokenizer.encode(text)
     assert stories.tokenizer.decode(ids) == llama2c.tokenizer.decode(ids) == text
 

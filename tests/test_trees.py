@@ -8,17 +8,16 @@ import numpy as np
 import pytest
 
 import specjax.decode as decode
-from conftest import STORIES_PROMPT, TINY
-from specjax.acceptance import residual, sibling_step, tree_sampling
+from conftest import TINY
+from specjax.acceptance import sibling_step, tree_sampling
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
-from specjax.models.llama import init_params
 from specjax.sampling import Sampler
 from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, TreeLayout, balanced, chain
 
 DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
-from test_speculative import RAGGED, SMALL, TARGET, first_three, peaked, two_sample_pvalue
+from test_speculative import RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
 
 V = 5
 
@@ -171,13 +170,7 @@ def test_chain_tree_equals_chain():
 
 @pytest.mark.parametrize("model", ["tiny", "stories"])
 def test_greedy_tree_speculation_equals_ar(model, stories):
-    if model == "tiny":
-        cfg, (graphdef, params), prompts = TINY, TARGET, RAGGED
-    else:
-        cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
-        prompts = [stories.tokenizer.encode(t) for t in (STORIES_PROMPT, "Lily", "The sun was hot and the")]
-    spec = GenerateSpec(40, eos_id=None)
-    ar = np.asarray(generate(cfg, graphdef, params, prompts, spec).tokens)
+    cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
     short_cfg, short_graphdef, short_params = truncated_target(cfg, params, 1)
     for name, tree in list(PRESETS.items()) + [(str(d), d) for d in DYNAMIC]:
         for dcfg, dgraphdef, dparams in [(short_cfg, short_graphdef, short_params), (cfg, graphdef, params)]:

@@ -33,6 +33,7 @@ def speedup(ar_seconds: float, spec_seconds: float) -> float:
     return ar_seconds / spec_seconds
 
 
-def loop_efficiency(k: int, draft_step_s: float, verify_s: float, round_s: float) -> float:
-    """(K x draft-step time + verify time) / measured round time: 1.0 means the loop adds nothing."""
-    return (k * draft_step_s + verify_s) / round_s
+def loop_efficiency(draft_s: float, verify_s: float, round_s: float) -> float:
+    """(draft time + verify time) / measured round time, the model calls timed on their own: 1.0 means the
+    loop adds nothing. Draft time is K draft steps (x draft-step time for a draft model)."""
+    return (draft_s + verify_s) / round_s

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.sampling import sample_probs
+
 
 def first_rejection(accept_BK: jax.Array) -> jax.Array:
     """Number of leading True entries per row."""
@@ -58,8 +60,7 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
     q = jax.nn.one_hot(draft_BK, p_BKV.shape[-1], dtype=p_BKV.dtype) if q_BKV is None else q_BKV
     q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_K = 0: the bonus token comes from p_K
     pick = lambda probs: jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
-    resample = residual(pick(p_BKV), pick(q))
-    return n, jax.random.categorical(key_resample, jnp.log(resample), axis=-1).astype(jnp.int32)
+    return n, sample_probs(key_resample, residual(pick(p_BKV), pick(q)))
 
 
 # --- trees ------------------------------------------------------------------------------------------
@@ -132,5 +133,4 @@ def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool
         p = jnp.where(moved[:, None], p_BNV[rows, chosen], p)
         node, walking = chosen, walking & moved
     n = jnp.sum(jnp.stack(path, 1) > 0, axis=1)
-    nxt = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
-    return n, nxt, jnp.stack(path, axis=1)
+    return n, sample_probs(keys[-1], p), jnp.stack(path, axis=1)

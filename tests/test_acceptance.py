@@ -91,3 +91,14 @@ def test_greedy_chain_and_first_rejection():
     logits = jax.nn.one_hot(jnp.array([[3, 1, 4, 0], [3, 1, 4, 0]]), V)  # target argmax per position
     n, nxt = greedy_chain(jnp.array([[3, 1, 2], [3, 1, 4]]), logits)
     assert n.tolist() == [2, 3] and nxt.tolist() == [4, 0]
+
+
+def test_sample_probs_frequencies_and_support():
+    from specjax.sampling import sample_probs
+
+    p = np.array([0.1, 0.0, 0.5, 0.0, 0.4])
+    n = 200_000
+    x = np.asarray(sample_probs(jax.random.key(0), jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, V))))
+    freq = np.bincount(x, minlength=V) / n
+    assert freq[1] == 0 and freq[3] == 0
+    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(0.25 / n))

@@ -3,7 +3,8 @@
     .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=5]
 
 Per target, draft (self / truncated / random), K and temperature: tau, draft efficiency, tokens/s, speedup
-over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, and transformers'
+over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, the analytical speedup
+(Leviathan et al.) for the measured mean alpha and cost ratio c, and transformers'
 `generate(assistant_model=...)` speedup over its own `generate`. Model calls are timed in their own compiled
 loops; the draft steps are K one-token steps, one of them a two-token step in rounds that follow a fully
 accepted round (the draft model re-reads the draft token it never saw); the round time excludes the fixed
@@ -22,6 +23,7 @@ import transformers
 from absl import app, flags, logging
 
 from experiments.common import SHAPES, median_time, per_call_seconds, random_hf_model, write_table
+from specjax.analysis import expected_speedup
 from specjax.decode import GenerateSpec, compile_decode
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
@@ -86,7 +88,8 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
         ar_s = median_time(lambda: jax.block_until_ready(ar_run([prompt])), FLAGS.repeats)
         hf_ar_s = hf_generate_seconds(hf_target, None, ids, n, 0, temperature) if FLAGS.hf else np.nan
         rows.append(dict(target=name, draft="none (AR)", K=0, T=temperature, tau=1.0, draft_eff=np.nan,
-                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, hf_tok_s=n / hf_ar_s, hf_speedup=1.0))
+                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, analytic=1.0, hf_tok_s=n / hf_ar_s,
+                         hf_speedup=1.0))
         for draft_name, draft_dir in drafts(name, target_dir, tmp).items():
             dcfg, dgraphdef, dparams = hf_dir_to_specjax(draft_dir)
             hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval() if FLAGS.hf else None
@@ -107,10 +110,13 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 stale = m["hist"][-1] / m["hist"].sum()  # rounds after a full acceptance re-read 2 tokens
                 draft_s = (k - 1) * step + stale * reread + (1 - stale) * step
                 verify = per_call_seconds(cfg, target.graphdef, target.params, k + 1, size, FLAGS.repeats)
+                c = step / per_call_seconds(cfg, target.graphdef, target.params, 1, size, FLAGS.repeats)
+                a = float(np.nanmean(m["alpha"]))  # i.i.d. acceptance rate of the analytical model
                 hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
                 rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
                                  draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=ar_s / spec_s,
                                  loop_eff=loop_efficiency(draft_s, verify, round_s),
+                                 analytic=expected_speedup(a, k, c),
                                  hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))
                 print(rows[-1], flush=True)
     return rows

@@ -239,7 +239,8 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
 
 
 def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spec: GenerateSpec, bucket: int = 8):
-    """Validates a speculative job before any compile; the cache gets K + 1 slots of slack for verification."""
+    """Validates a speculative job before any compile; the cache gets the drafter's per-round slack (K + 1 for a
+    chain, the node count for a tree) beyond the prompt and the new tokens."""
     if not isinstance(drafter.k, int) or drafter.k < 1:
         raise ValueError(f"K (draft tokens per round) must be an integer >= 1, got {drafter.k!r}")
     drafter.validate(cfg)

@@ -63,13 +63,14 @@ def cache_size_for(cfg: LlamaConfig, prompt_width: int, new_tokens: int, request
 
 
 def prefill(cfg, graphdef, params, tokens_BP, lengths_B, cache_size: int):
-    """Runs the padded prompts; returns (logits at each row's last prompt token [B, V], committed cache)."""
+    """Runs the padded prompts; returns (logits at each row's last prompt token [B, V], committed cache,
+    the prompts' features [B, P, dim])."""
     batch, width = tokens_BP.shape
     cache = init_cache(cfg, batch, cache_size)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, _, cache = forward(graphdef, params, tokens_BP, positions, cache, causal_mask(width))
+    logits, hidden, cache = forward(graphdef, params, tokens_BP, positions, cache, causal_mask(width))
     last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return last, cache.with_length(lengths_B)
+    return last, cache.with_length(lengths_B), hidden.final
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "spec"))
@@ -77,7 +78,7 @@ def _generate(cfg, graphdef, params, tokens_BP, lengths_B, key, spec: GenerateSp
     batch = tokens_BP.shape[0]
     n_new, sampler = spec.max_new_tokens, spec.sampler
     eos = -1 if spec.eos_id is None else spec.eos_id
-    logits, cache = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
+    logits, cache, _ = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
     key, sub = jax.random.split(key)
     first = sampler.sample(sub, logits)
     out = jnp.zeros((batch, n_new), jnp.int32).at[:, 0].set(first)
@@ -154,25 +155,28 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
     """One target pass over the pending token and the draft (chain or tree), then the acceptance rule.
 
     Returns (n_accepted [B], next_token [B], accepted tokens [B, D], accepted node indices [B, D] or None
-    for a chain, cache with the accepted keys/values not yet committed)."""
+    for a chain, the target's features [B, D + 1, dim] at the pending token then the accepted ones, cache
+    with the accepted keys/values not yet committed)."""
     tokens = jnp.concatenate([pending_B[:, None], draft.tokens], axis=1)
     layout = draft.layout
     if layout is None:
         positions = cache.length[:, None] + jnp.arange(tokens.shape[1])[None]
-        logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1]))
+        logits, hidden, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1]))
         if sampler.greedy:
             n_acc, nxt = greedy_chain(draft.tokens, logits)
         else:
             n_acc, nxt = speculative_sampling(key, draft.tokens, draft.q_probs, sampler.probs(logits))
-        return n_acc, nxt, draft.tokens, None, cache
+        return n_acc, nxt, draft.tokens, None, hidden.final, cache
     positions = cache.length[:, None] + layout.depth
-    logits, _, cache = forward(graphdef, params, tokens, positions, cache, layout.mask)
+    logits, hidden, cache = forward(graphdef, params, tokens, positions, cache, layout.mask)
     if sampler.greedy:
         n_acc, nxt, path = greedy_tree(layout, draft.tokens, logits)
     else:
         n_acc, nxt, path = tree_sampling(key, layout, draft.tokens, draft.q_probs, sampler.probs(logits),
                                          draft.without_replacement)
-    return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, cache
+    keep = jnp.pad(path, ((0, 0), (1, 0)))  # the root, then the accepted path
+    feats = jnp.take_along_axis(hidden.final, keep[:, :, None], axis=1)
+    return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, feats, cache
 
 
 def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B):
@@ -181,14 +185,13 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
     key, k_draft, k_accept = jax.random.split(loop.key, 3)
     draft, drafter_state = drafter.propose(drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft)
     pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)[:, 0]
-    n_acc, nxt, accepted, path, cache = verify(cfg, graphdef, params, spec.sampler, draft, pending, loop.cache,
-                                               k_accept)
+    n_acc, nxt, accepted, path, feats, cache = verify(cfg, graphdef, params, spec.sampler, draft, pending,
+                                                      loop.cache, k_accept)
     active = ~loop.done
     if path is None:  # chain: the accepted tokens already sit right after the committed region
         cache = cache.with_length(jnp.where(active, loop.cache.length + n_acc + 1, loop.cache.length))
     else:  # tree: gather the root and the accepted path into the committed region
-        keep = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)
-        cache = cache.compact(keep, jnp.where(active, n_acc + 1, 0))
+        cache = cache.compact(jnp.pad(path, ((0, 0), (1, 0))), jnp.where(active, n_acc + 1, 0))
 
     # Emit the accepted tokens then the next token, cut at EOS and at max_new_tokens; done rows emit nothing.
     idx = jnp.arange(k + 1)[None]
@@ -200,7 +203,7 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
     write_at = jnp.where(idx < n_emit[:, None], loop.n_tokens[:, None] + idx, loop.seq.shape[1])  # else dropped
     seq = loop.seq.at[rows, write_at].set(emitted, mode="drop")
     n_tokens = loop.n_tokens + n_emit
-    drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens, path)
+    drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens, path, feats)
 
     s = loop.stats
     count = active.astype(jnp.int32)
@@ -217,7 +220,7 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
 def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec: GenerateSpec):
     batch, width = tokens_BP.shape
     k, n_new = drafter.k, spec.max_new_tokens
-    logits, cache = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
+    logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
     key, sub = jax.random.split(key)
     first = spec.sampler.sample(sub, logits)
     seq = jnp.zeros((batch, spec.cache_size), jnp.int32).at[:, :width].set(tokens_BP)
@@ -227,7 +230,7 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
                       jnp.zeros((k,), jnp.int32))
     eos = -1 if spec.eos_id is None else spec.eos_id
     loop = _Loop(seq, lengths_B + 1, (first == eos) | (n_new == 1), cache,
-                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size), key, stats)
+                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats), key, stats)
     limit = lengths_B + n_new
     loop = jax.lax.while_loop(
         lambda lp: ~jnp.all(lp.done),

@@ -6,11 +6,10 @@ Per tree and temperature: tau, verify-pass cost relative to a 1-token pass, toke
 side by side in one run. Writes results/bench_trees.{md,csv}.
 """
 
-import jax
 from absl import app, flags, logging
 
-from experiments.common import median_time, per_call_seconds, write_table
-from specjax.decode import GenerateSpec, compile_decode
+from experiments.common import decode_seconds, per_call_seconds, write_table
+from specjax.decode import GenerateSpec
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -27,16 +26,6 @@ TREES = [("chain K=4", None), ("chain4 (as tree)", PRESETS["chain4"]), ("balance
          ("dynamic 4,4,16", DynamicTree(4, 4, 16)), ("dynamic 4,5,32", DynamicTree(4, 5, 32))]
 
 
-def decode_seconds(cfg, graphdef, params, prompts, spec, drafter=None, dparams=None):
-    """Summed median decode time over the prompts (batch 1 each), and the runs' statistics."""
-    total, stats = 0.0, []
-    for p in prompts:
-        run, _ = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams)
-        stats.append(getattr(jax.block_until_ready(run([p])), "stats", None))
-        total += median_time(lambda: jax.block_until_ready(run([p])), FLAGS.repeats)
-    return total, stats
-
-
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -48,13 +37,13 @@ def main(argv):
     one_token = per_call_seconds(cfg, graphdef, params, 1, 256, FLAGS.repeats)
     for temperature in map(float, FLAGS.temperatures):
         spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
-        ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec)
+        ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
         rows.append(dict(tree="none (AR)", nodes=1, T=temperature, tau=1.0, verify_cost=1.0, tok_s=len(prompts) * n / ar_s,
                          speedup=1.0))
         for name, tree in TREES:
             k = 4 if tree is None else tree.depth
             drafter = DraftModel(dcfg, dgraphdef, k, Sampler(temperature), tree)
-            spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, drafter, dparams)
+            spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dparams)
             emitted = sum(int(s.emitted.sum()) for s in stats)
             passes = sum(int(s.row_rounds.sum()) for s in stats)
             nodes = k + 1 if tree is None else tree.size

@@ -47,6 +47,22 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
+    """Summed median decode time over the prompts (batch 1 each, compiled once per padded prompt width), and
+    each prompt's speculative statistics (None for AR)."""
+    from specjax.decode import compile_decode
+
+    total, stats, compiled = 0.0, [], {}
+    for p in prompts:
+        width = -(-len(p) // 8)
+        if width not in compiled:
+            compiled[width] = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams)[0]
+        run = compiled[width]
+        stats.append(getattr(jax.block_until_ready(run([p])), "stats", None))
+        total += median_time(lambda: jax.block_until_ready(run([p])), repeats)
+    return total, stats
+
+
 def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32) -> float:
     """Time of one forward of `t` tokens in a compiled loop where each call's input is the previous call's
     argmax (a true dependency chain, as in decoding); batch 1, cache of `cache_size`."""

@@ -29,3 +29,14 @@ def stories():
     if STORIES is None:
         pytest.fail("../shared/models/stories260K is missing: the real-model tests need it (or set SPECJAX_MODELS)")
     return load_model(str(STORIES))
+
+
+HEADS = Path(__file__).parents[1] / "heads"
+
+
+@pytest.fixture(scope="session")
+def trained_heads(stories):
+    """The committed stories260K heads (`heads/stories260K_{medusa,eagle}`): {method: (meta, graphdef, params)}."""
+    from specjax.heads import load_heads
+
+    return {m: load_heads(HEADS / f"stories260K_{m}", stories.cfg, stories.params) for m in ("medusa", "eagle")}

@@ -17,7 +17,7 @@ from specjax.trees import DynamicTree, Tree
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModel:
+class DraftModel(search.Searching):
     """Drafts with `sampler` (pass the target's, so p and q are warped alike); greedy drafts are
     deterministic proposals (`q_probs=None`)."""
 
@@ -26,14 +26,6 @@ class DraftModel:
     k: int
     sampler: Sampler = Sampler()
     tree: Tree | DynamicTree | None = None  # propose this tree (top-k children per node) instead of a chain
-
-    def __post_init__(self):
-        if self.tree is not None and self.k != self.tree.depth:
-            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
-
-    @property
-    def slack(self) -> int:
-        return search.slack(self.k, self.tree)
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if self.cfg.vocab_size != target_cfg.vocab_size:

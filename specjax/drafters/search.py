@@ -123,10 +123,18 @@ def search(step, sampler, k: int, tree, root_logits_BV, root_ctx, pos0_B, cache,
     return static_tree(step, sampler, tree, root_logits_BV, root_ctx, pos0_B, cache, key)
 
 
-def slack(k: int, tree) -> int:
-    """Cache slots written past the sequence in one round (by a drafter or the target's verification)."""
-    if tree is None:
-        return k + 1
-    if isinstance(tree, DynamicTree):
-        return max(tree.size, (tree.depth - 1) * tree.top_k + 1, tree.depth + 1)
-    return tree.size
+class Searching:
+    """Mixin of the drafters that search with this module: checks `k` against `tree`, sizes the cache slack."""
+
+    def __post_init__(self):
+        if self.tree is not None and self.k != self.tree.depth:
+            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
+
+    @property
+    def slack(self) -> int:
+        """Cache slots written past the sequence in one round (by the drafter or the target's verification)."""
+        if self.tree is None:
+            return self.k + 1
+        if isinstance(self.tree, DynamicTree):
+            return max(self.tree.size, (self.tree.depth - 1) * self.tree.top_k + 1, self.tree.depth + 1)
+        return self.tree.size

@@ -51,6 +51,12 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def rope_angles(inv_freq: tuple[float, ...], positions_BT):
+    """(cos, sin) [B, T, D/2] of the rotary angles at `positions_BT`."""
+    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
@@ -100,8 +106,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
         b, t = tokens_BT.shape
         mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
-        angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rope_angles(self.inv_freq, positions_BT)
         visible = cache.visible(mask_BTW)
         x = self.embed(tokens_BT)
         tapped = []

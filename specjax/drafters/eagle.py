@@ -1,0 +1,121 @@
+"""EAGLE (Li et al. 2024, EAGLE-1/2): a one-layer autoregressive head over the target's features.
+
+At position i it reads concat(embedding(token i + 1), feature i) -> linear 2H -> H -> one decoder layer of the
+target's architecture -> predicted feature i + 1, which the target's frozen LM head turns into a token.
+While drafting it feeds its own predicted features; after verification it re-reads the accepted tokens
+with the target's true features. Embedding and LM head are the target's (frozen, not stored with the head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters import search
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
+from specjax.sampling import Sampler
+from specjax.trees import DynamicTree, Tree
+
+
+class EagleHead(nnx.Module):
+    def __init__(self, layer_cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.fc = Linear(2 * layer_cfg.dim, layer_cfg.dim, True, jnp.dtype(layer_cfg.dtype), rngs)
+        self.layer = Block(layer_cfg, 0, rngs)
+        self.inv_freq = tuple(float(f) for f in layer_cfg.inv_freq())
+
+    def __call__(self, embeds_BTH, feats_BTH, positions_BT, cache, mask_BTW):
+        """(predicted features [B, T, H], cache) for inputs (embedding of token i + 1, feature i)."""
+        b, t, _ = embeds_BTH.shape
+        mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
+        cos, sin = rope_angles(self.inv_freq, positions_BT)
+        x = self.fc(jnp.concatenate([embeds_BTH, feats_BTH.astype(embeds_BTH.dtype)], axis=-1))
+        return self.layer(x, cos, sin, cache, cache.visible(mask_BTW), mask_BTW.shape[-1] - t)
+
+
+def layer_config(target_cfg: LlamaConfig) -> LlamaConfig:
+    """The head's decoder layer: one layer of the target's architecture."""
+    return target_cfg.replace(n_layers=1)
+
+
+def init_eagle(target_cfg: LlamaConfig, seed: int = 0):
+    """(graphdef, params as a pure dict) of a fresh head."""
+    graphdef, state = nnx.split(EagleHead(layer_config(target_cfg), nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def eagle_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+    """(logits [B, T, V] float32, predicted features [B, T, H], cache). `params` = {"head": the head's
+    params, "embed": the target's embedding [V, H], "unembed": the target's LM head [V, H]}."""
+    embeds = jnp.take(params["embed"], tokens_BT, axis=0)
+    feats, cache = nnx.merge(graphdef, params["head"])(embeds, feats_BTH, positions_BT, cache, mask_BTW)
+    logits = jnp.einsum("btd,vd->btv", feats, params["unembed"]).astype(jnp.float32)
+    return logits, feats, cache
+
+
+def target_io(target_cfg: LlamaConfig, target_params) -> dict:
+    """The target's embedding and LM head, `{"embed": [V, H], "unembed": [V, H]}` (frozen inputs of a head)."""
+    pure = target_params if isinstance(target_params, dict) else nnx.to_pure_dict(target_params)
+    embed = pure["embed"]["embedding"]
+    return {"embed": embed, "unembed": embed if target_cfg.tie_embeddings else pure["lm_head"]["weight"]}
+
+
+@struct.dataclass
+class EagleState:
+    cache: object  # the head's KV cache; committed slots were read with the target's true features
+    feats: jax.Array  # [B, K + 1, H] the target's features from the last verification, from slot `committed`
+    committed: jax.Array  # [B] committed cache slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle(search.Searching):
+    """Drafter: chains (sampled with `sampler`, pass the target's), static trees, or dynamic trees (EAGLE-2)."""
+
+    layer_cfg: LlamaConfig
+    graphdef: object
+    k: int
+    sampler: Sampler = Sampler()
+    tree: Tree | DynamicTree | None = None
+
+    def validate(self, target_cfg: LlamaConfig) -> None:
+        mine = self.layer_cfg
+        if layer_config(target_cfg).replace(dtype=mine.dtype, max_seq_len=mine.max_seq_len) != mine:
+            raise ValueError(f"this EAGLE head was built for a target with vocabulary {self.layer_cfg.vocab_size} "
+                             f"and width {self.layer_cfg.dim}, not vocabulary {target_cfg.vocab_size} and width "
+                             f"{target_cfg.dim} (or another layer shape): train a head for this target")
+
+    def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
+        batch, width = tokens_BP.shape
+        positions = jnp.broadcast_to(jnp.arange(width - 1), (batch, width - 1))
+        cache = init_cache(self.layer_cfg, batch, cache_size)
+        _, _, cache = eagle_apply(self.graphdef, params, tokens_BP[:, 1:], feats_BPH[:, :-1], positions, cache,
+                                  causal_mask(width - 1))  # slot i: (token i + 1, feature i)
+        last = jnp.take_along_axis(feats_BPH, (lengths_B - 1)[:, None, None], axis=1)
+        feats = jnp.zeros((batch, self.k + 1, feats_BPH.shape[-1]), feats_BPH.dtype).at[:, :1].set(last)
+        return EagleState(cache.with_length(lengths_B - 1), feats, lengths_B - 1)
+
+    def _step(self, params):
+        def step(cache, tokens_BT, positions_BT, mask_BTW, feats_BTH):
+            return eagle_apply(self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW)
+        return step
+
+    def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
+        # Re-read the last round with true features: slots committed .. n_tokens - 2 hold (token i + 1, feature i).
+        w = self.k + 1
+        positions = state.committed[:, None] + jnp.arange(w)[None]
+        tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
+        logits, feats, cache = eagle_apply(self.graphdef, params, tokens, state.feats, positions,
+                                           state.cache.with_length(state.committed), causal_mask(w))
+        root = (n_tokens_B - 2 - state.committed)[:, None, None]  # the slot that predicts after the pending token
+        root_logits = jnp.take_along_axis(logits, root, axis=1)[:, 0]
+        root_feat = jnp.take_along_axis(feats, root, axis=1)[:, 0]
+        cache = cache.with_length(n_tokens_B - 1)
+        draft, cache = search.search(self._step(params), self.sampler, self.k, self.tree, root_logits, root_feat,
+                                     n_tokens_B - 1, cache, key)
+        return draft, EagleState(cache, state.feats, n_tokens_B - 1)
+
+    def commit(self, params, state: EagleState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
+        return state.replace(feats=feats_BDH)

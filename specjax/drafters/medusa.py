@@ -1,0 +1,91 @@
+"""Medusa (Cai et al. 2024): extra decoding heads on the target's last feature, head i guessing the token
+i + 2 positions ahead (the target's own head guesses i + 1). Drafts need no drafter forward pass beyond
+the heads: a chain of top-1 guesses or the Cartesian top-k of the heads along a static tree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.base import Draft
+from specjax.models.config import LlamaConfig
+from specjax.trees import DynamicTree, Tree, TreeLayout
+
+
+class MedusaHeads(nnx.Module):
+    """`num_heads` heads of `num_layers` residual blocks `x + SiLU(W x + b)` (zero init: each head starts as the
+    identity) and a vocabulary projection initialised from the target's output head `unembed_VH`."""
+
+    def __init__(self, num_heads: int, num_layers: int, unembed_VH: jax.Array):
+        vocab, dim = unembed_VH.shape
+        self.w = nnx.Param(jnp.zeros((num_heads, num_layers, dim, dim), unembed_VH.dtype))  # [out, in]
+        self.b = nnx.Param(jnp.zeros((num_heads, num_layers, dim), unembed_VH.dtype))
+        self.proj = nnx.Param(jnp.broadcast_to(unembed_VH, (num_heads, vocab, dim)).copy())
+
+    def __call__(self, feats_xH: jax.Array) -> jax.Array:
+        """Logits `[..., num_heads, V]` (float32) from target features `[..., H]`."""
+        x = jnp.broadcast_to(feats_xH[..., None, :], feats_xH.shape[:-1] + self.w.shape[:1] + feats_xH.shape[-1:])
+        for layer in range(self.w.shape[1]):
+            x = x + jax.nn.silu(jnp.einsum("...ni,noi->...no", x, self.w[:, layer]) + self.b[:, layer])
+        return jnp.einsum("...ni,nvi->...nv", x, self.proj[...]).astype(jnp.float32)
+
+
+def init_medusa(num_heads: int, num_layers: int, unembed_VH: jax.Array):
+    """(graphdef, params as a pure dict) of fresh heads."""
+    graphdef, state = nnx.split(MedusaHeads(num_heads, num_layers, unembed_VH))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def medusa_logits(graphdef, params, feats_xH: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, params)(feats_xH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Medusa:
+    """Drafter: its state is the target's feature at the token before the pending one (which the target's head
+    turned into the pending token). Candidates are the heads' top-k tokens: deterministic proposals."""
+
+    graphdef: object
+    num_heads: int
+    vocab_size: int
+    dim: int
+    k: int
+    tree: Tree | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tree, DynamicTree):
+            raise ValueError("Medusa drafts static trees only (its candidates do not depend on their parents); "
+                             "use a preset or explicit paths, or EAGLE for dynamic trees")
+        if self.tree is not None and self.k != self.tree.depth:
+            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
+        if not 1 <= self.k <= self.num_heads:
+            raise ValueError(f"Medusa with {self.num_heads} heads drafts 1..{self.num_heads} tokens deep; got "
+                             f"k={self.k}: lower k, use a shallower tree, or train more heads")
+
+    @property
+    def slack(self) -> int:
+        return self.k + 1 if self.tree is None else self.tree.size
+
+    def validate(self, target_cfg: LlamaConfig) -> None:
+        if (self.vocab_size, self.dim) != (target_cfg.vocab_size, target_cfg.dim):
+            raise ValueError(f"Medusa heads for vocabulary {self.vocab_size} and width {self.dim} cannot serve a "
+                             f"target with vocabulary {target_cfg.vocab_size} and width {target_cfg.dim}: "
+                             "train heads for this target")
+
+    def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
+        return jnp.take_along_axis(feats_BPH, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+
+    def propose(self, params, feat_BH, seq_BS, n_tokens_B, key):
+        logits = medusa_logits(self.graphdef, params, feat_BH)[:, : self.k]  # [B, k, V]
+        if self.tree is None:
+            return Draft(jnp.argmax(logits, -1).astype(jnp.int32)), feat_BH
+        arr = self.tree.arrays
+        candidates = jax.lax.top_k(logits, int(arr.rank.max()) + 1)[1]  # [B, k, width]
+        tokens = candidates[:, arr.depth[1:] - 1, arr.rank[1:]].astype(jnp.int32)
+        return Draft(tokens, None, TreeLayout.from_tree(self.tree, feat_BH.shape[0])), feat_BH
+
+    def commit(self, params, feat_BH, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
+        return jnp.take_along_axis(feats_BDH, n_accepted_B[:, None, None], axis=1)[:, 0]

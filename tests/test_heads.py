@@ -1,0 +1,125 @@
+"""Medusa and EAGLE drafting: greedy == AR (untrained and trained heads, chains and trees), sampling is
+distributed as AR, EAGLE's incremental state equals a recomputation from scratch, heads for another target
+are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.decode as decode
+from conftest import TINY
+from test_speculative import N_SAMPLES, RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
+from specjax import heads
+from specjax.decode import GenerateSpec, generate, speculative_generate
+from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config, target_io
+from specjax.drafters.medusa import Medusa
+from specjax.metrics import summarize
+from specjax.models.llama import causal_mask, init_cache
+from specjax.sampling import Sampler
+from specjax.training.losses import target_features
+from specjax.trees import DynamicTree, balanced
+
+TREES = {"chain": None, "tree": balanced(2, 3), "dynamic": DynamicTree(3, 3, 8)}
+
+
+def head_drafters(cfg, params, sampler, meta_params):
+    """(name, drafter, drafter params) for each method x tree shape, from `{method: (meta, graphdef, params)}`."""
+    out = []
+    for method, (meta, graphdef, hparams) in meta_params.items():
+        for shape, tree in TREES.items():
+            if method == "medusa" and shape == "dynamic":
+                continue
+            k = 3 if tree is None else tree.depth
+            drafter = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
+            out.append((f"{method} {shape}", drafter, heads.drafter_params(meta, hparams, cfg, params)))
+    return out
+
+
+def fresh_heads(cfg, params):
+    metas = {"medusa": heads.describe("medusa", {"num_heads": 4, "num_layers": 1}, cfg),
+             "eagle": heads.describe("eagle", {}, cfg)}
+    return {m: (meta, *heads.new_heads(meta, cfg, params, seed=3)) for m, meta in metas.items()}
+
+
+@pytest.mark.parametrize("model", ["tiny", "stories"])
+def test_greedy_equals_ar_untrained(model, stories):
+    cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
+    for name, drafter, dparams in head_drafters(cfg, params, Sampler(), fresh_heads(cfg, params)):
+        gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=name)
+
+
+def test_greedy_equals_ar_trained(stories, trained_heads):
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
+    taus = {}
+    for name, drafter, dparams in head_drafters(cfg, params, Sampler(), trained_heads):
+        gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=name)
+        taus[name] = summarize(gen.stats)["tau"]
+    assert taus["eagle dynamic"] > 1.3, taus  # trained heads do draft useful tokens
+
+
+def test_eagle_state_matches_recomputation():
+    """Propose/commit over rounds with random acceptance: the distribution the head drafts its first token
+    from equals the head run from scratch over (token i + 1, true feature i) for the whole sequence."""
+    graphdef, params = TARGET
+    rng = np.random.default_rng(0)
+    seq = jnp.asarray(rng.integers(3, TINY.vocab_size, (2, 40)), jnp.int32)
+    feats = target_features(TINY, graphdef, params, seq)
+    hgraph, hparams = init_eagle(TINY, seed=5)
+    dparams = {"head": hparams, **target_io(TINY, params)}
+    k, prompt = 3, 8
+    drafter = Eagle(layer_config(TINY), hgraph, k, Sampler(1.0))
+    state = drafter.init(dparams, seq[:, :prompt], jnp.array([prompt, 5]), 64, feats[:, :prompt])
+    n = seq.shape[1] - 1  # from scratch, causally: slot i holds (token i + 1, feature i)
+    scratch, _, _ = eagle_apply(hgraph, dparams, seq[:, 1:], feats[:, :-1], jnp.broadcast_to(jnp.arange(n), (2, n)),
+                                init_cache(layer_config(TINY), 2, n), causal_mask(n))
+    propose, commit = jax.jit(drafter.propose), jax.jit(drafter.commit)
+    n_tokens = jnp.array([prompt + 1, 6])
+    for round_ in range(6):
+        draft, state = propose(dparams, state, seq, n_tokens, jax.random.key(round_))
+        root = jnp.take_along_axis(scratch, (n_tokens - 2)[:, None, None], axis=1)[:, 0]  # predicts after pending
+        np.testing.assert_allclose(draft.q_probs[:, 0], jax.nn.softmax(root), atol=1e-5)
+        accepted = jnp.asarray(rng.integers(0, k + 1, 2))
+        start = n_tokens - 1  # the round's pending token
+        feats_BDH = jnp.take_along_axis(feats, (start[:, None] + jnp.arange(k + 1))[:, :, None], axis=1)
+        n_tokens = n_tokens + accepted + 1
+        state = commit(dparams, state, accepted, n_tokens, None, feats_BDH)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    graphdef, params = peaked(SMALL, 0)
+    return graphdef, params, fresh_heads(SMALL, params)
+
+
+@pytest.mark.parametrize("name", ["medusa chain", "medusa tree", "eagle chain", "eagle tree", "eagle dynamic"])
+def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
+    graphdef, params, fresh = small_pair
+    sampler = Sampler(1.0)
+    drafter, dparams = {n: (d, p) for n, d, p in head_drafters(SMALL, params, sampler, fresh)}[name]
+    prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
+    ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
+    gen = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
+    assert 0.05 < summarize(gen.stats)["draft_efficiency"] < 0.95  # the test exercises rejections
+    assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
+    if name == "eagle tree":  # negative control: resampling from p instead of the residual is caught
+        monkeypatch.setattr("specjax.acceptance.residual", lambda p, q: p)
+        decode._speculative.clear_cache()
+        broken = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
+        decode._speculative.clear_cache()
+        assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
+
+
+def test_heads_for_another_target_are_refused():
+    graphdef, params = TARGET
+    fresh = fresh_heads(TINY, params)
+    other = TINY.replace(vocab_size=50, dim=16)
+    for name, drafter, dparams in head_drafters(TINY, params, Sampler(), fresh):
+        with pytest.raises(ValueError, match="train (heads|a head) for this target"):
+            speculative_generate(other, None, None, drafter, dparams, [[1, 2]], GenerateSpec(4))
+    with pytest.raises(ValueError, match="Medusa with 4 heads drafts 1..4 tokens deep; got k=5"):
+        Medusa(None, 4, 97, 32, 5)
+    with pytest.raises(ValueError, match="Medusa drafts static trees only"):
+        Medusa(None, 4, 97, 32, 3, DynamicTree(2, 3, 4))

@@ -1,0 +1,155 @@
+"""Training heads on stories260K: the loss falls, the target is untouched, resuming is exact, half-written
+checkpoints are ignored, 8 devices train like 1, the feature store trains like online features, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import checkpoint, heads
+from specjax.models.loading import tokenizer_files
+from specjax.models.weights import CheckpointError
+from specjax.training import data, trainer
+from specjax.training.config import base_config, smoke
+
+REPO = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def target_dir(stories, tmp_path_factory):
+    """stories260K as a specjax (Orbax) checkpoint, as `python -m specjax.convert` writes it."""
+    path = tmp_path_factory.mktemp("target") / "stories260K"
+    checkpoint.save_model(path, stories.cfg, stories.params, tokenizer_files(stories.path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(target_dir, tmp_path_factory):
+    """A small self-distilled corpus, built once and shared through `data.cache`."""
+    config = smoke_config("medusa", target_dir)
+    config.data.cache = str(tmp_path_factory.mktemp("corpus") / "corpus.npy")
+    cfg, graphdef, params = checkpoint.restore_model(target_dir)
+    from specjax.models.loading import load_tokenizer
+    data.load_corpus(config, (cfg, graphdef, params), load_tokenizer(target_dir / "tokenizer", cfg.vocab_size))
+    return config.data.cache
+
+
+def smoke_config(method, target_dir, corpus_path=""):
+    c = smoke(base_config(method))
+    c.target = str(target_dir)
+    c.data.cache = corpus_path
+    c.train.log_every = 1
+    return c
+
+
+def losses(workdir):
+    return [json.loads(line)["loss"] for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(method, target_dir, corpus, tmp_path, monkeypatch):
+    loaded = {}
+
+    def spy(config, mesh):  # keep the trainer's in-memory target to compare after training
+        loaded["target"], tok = real_load(config, mesh)
+        loaded["before"] = jax.tree.map(np.array, loaded["target"][2])
+        return loaded["target"], tok
+
+    real_load = trainer.load_target
+    monkeypatch.setattr(trainer, "load_target", spy)
+    summary = trainer.train(smoke_config(method, target_dir, corpus), tmp_path)
+    assert summary["step"] == 30
+    trajectory = losses(tmp_path)
+    assert np.mean(trajectory[-5:]) < 0.9 * np.mean(trajectory[:5]), trajectory
+    after = jax.tree.map(np.array, loaded["target"][2])  # fails if the train step donated the target
+    jax.tree.map(np.testing.assert_array_equal, loaded["before"], after)
+    _, _, on_disk = checkpoint.restore_model(target_dir)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, on_disk), after)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resume_equals_uninterrupted_and_ignores_half_written(target_dir, corpus, tmp_path, stories):
+    config = smoke_config("eagle", target_dir, corpus)
+    config.train.steps, config.train.checkpoint_every = 12, 4
+    trainer.train(config, tmp_path / "straight")
+    trainer.train(config, tmp_path / "resumed", stop_at=6)  # "interrupted" after step 6: it saves step 6
+    ckpts = tmp_path / "resumed" / "checkpoints"
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [4, 6]
+    junk = ckpts / "10.orbax-checkpoint-tmp-1795000000"  # a save killed half-way
+    junk.mkdir()
+    (junk / "params").mkdir()
+    (junk / "params" / "partial").write_bytes(b"\0" * 10)
+    _, _, at_six = heads.load_heads(tmp_path / "resumed", stories.cfg, stories.params)
+    trainer.train(config, tmp_path / "resumed")  # restarts from step 6, not from the half-written 10
+    _, _, straight = heads.load_heads(tmp_path / "straight", stories.cfg, stories.params)
+    _, _, resumed = heads.load_heads(tmp_path / "resumed", stories.cfg, stories.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), straight, resumed)
+    assert losses(tmp_path / "resumed")[6:] == pytest.approx(losses(tmp_path / "straight")[6:], rel=1e-6)
+    assert not jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b), at_six, straight))
+
+
+def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path):
+    online = smoke_config("medusa", target_dir, corpus)
+    online.train.steps = 8
+    stored = smoke_config("medusa", target_dir, corpus)
+    stored.train.steps = 8
+    stored.data.features, stored.data.store = "store", str(tmp_path / "store")
+    trainer.train(online, tmp_path / "online")
+    trainer.train(stored, tmp_path / "stored")
+    manifest = json.loads((tmp_path / "store" / data.MANIFEST).read_text())
+    assert manifest["bytes_per_token"] == 64 * 4 + 4  # stories260K: 64 float32 features + an int32 token
+    assert manifest["rows"] == len(np.load(corpus))
+    np.testing.assert_allclose(losses(tmp_path / "stored"), losses(tmp_path / "online"), rtol=1e-5)
+
+
+def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):
+    """Runs in its own process: the device count is fixed when JAX starts."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    script = REPO / "tests" / "sharded_training.py"
+    out = subprocess.run([sys.executable, str(script), str(target_dir), corpus, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["devices"] == 8
+    for mesh in ("data8", "data4_model2"):
+        assert len(runs[mesh]) == 20
+        np.testing.assert_allclose(runs[mesh], runs["data1"], rtol=1e-5, err_msg=mesh)
+
+
+def test_data_sources_and_order(tmp_path, stories):
+    (tmp_path / "docs.txt").write_text("Once upon a time.\n\nThe cat sat.\n")
+    (tmp_path / "docs.jsonl").write_text('{"text": "Once upon a time."}\n{"prompt": "The cat", "response": " sat."}\n')
+    txt = data.read_documents(tmp_path / "docs.txt", stories.tokenizer)
+    assert txt == [stories.tokenizer.encode("Once upon a time."), stories.tokenizer.encode("The cat sat.")]
+    assert data.read_documents(tmp_path / "docs.jsonl", stories.tokenizer) == txt
+    packed = data.pack(txt * 10, 8)
+    assert packed.shape == (sum(map(len, txt * 10)) // 8, 8)
+    assert packed.ravel().tolist() == [t for d in txt * 10 for t in d][: packed.size]
+    (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object with 'text'"):
+        data.read_documents(tmp_path / "bad.jsonl", stories.tokenizer)
+    # The order is a function of the position: epochs are permutations, batches straddle epochs.
+    stream = np.concatenate([data.batch_indices(p, 4, 10, 0) for p in range(0, 20, 4)])
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+    np.testing.assert_array_equal(data.batch_indices(6, 5, 10, 0), stream[6:11])
+
+
+def test_clear_errors(target_dir, tmp_path, stories):
+    config = smoke_config("medusa", tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="target checkpoint .*nowhere not found .*specjax.convert"):
+        trainer.train(config, tmp_path / "run")
+    out = subprocess.run([sys.executable, "train_heads.py", "--config=configs/medusa.py:smoke",
+                          f"--workdir={tmp_path / 'run'}", "--config.optimizer.lrr=1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "lrr" in out.stderr, out.stderr[-2000:]
+    meta = heads.describe("medusa", {"num_heads": 2, "num_layers": 1}, stories.cfg.replace(vocab_size=1000))
+    heads.write_meta(tmp_path / "foreign", meta)
+    with pytest.raises(ValueError, match="trained for another target.*vocab_size.*1000, 512"):
+        heads.load_heads(tmp_path / "foreign", stories.cfg, stories.params)
+    with pytest.raises(CheckpointError, match="heads.json is missing or corrupt"):
+        heads.load_heads(tmp_path / "empty", stories.cfg, stories.params)

@@ -151,5 +151,8 @@ def test_clear_errors(target_dir, tmp_path, stories):
     heads.write_meta(tmp_path / "foreign", meta)
     with pytest.raises(ValueError, match="trained for another target.*vocab_size.*1000, 512"):
         heads.load_heads(tmp_path / "foreign", stories.cfg, stories.params)
+    out = subprocess.run([sys.executable, "run_decode.py", "--drafter=medusa", f"--heads={tmp_path / 'foreign'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "trained for another target" in out.stderr, out.stderr[-2000:]
     with pytest.raises(CheckpointError, match="heads.json is missing or corrupt"):
         heads.load_heads(tmp_path / "empty", stories.cfg, stories.params)

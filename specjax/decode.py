@@ -129,8 +129,16 @@ class SpecStats:
     row_rounds: jax.Array  # [B] rounds in which the row was active (= target verification passes)
     emitted: jax.Array  # [B] tokens emitted by rounds (after EOS / max_new_tokens truncation)
     accepted_hist: jax.Array  # [K+1] row-rounds by number of draft tokens accepted
-    accepted_at: jax.Array  # [K] row-rounds in which draft position i was accepted
-    reached_at: jax.Array  # [K] row-rounds in which all draft positions before i were accepted
+
+    @property
+    def accepted_at(self) -> jax.Array:
+        """[K] row-rounds in which draft position i was accepted (more than i tokens accepted)."""
+        return jnp.cumsum(self.accepted_hist[::-1])[::-1][1:]
+
+    @property
+    def reached_at(self) -> jax.Array:
+        """[K] row-rounds in which all draft positions before i were accepted (at least i accepted)."""
+        return jnp.cumsum(self.accepted_hist[::-1])[::-1][:-1]
 
 
 @struct.dataclass
@@ -209,9 +217,7 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
     count = active.astype(jnp.int32)
     stats = SpecStats(
         rounds=s.rounds + 1, row_rounds=s.row_rounds + count, emitted=s.emitted + n_emit,
-        accepted_hist=s.accepted_hist + jnp.sum(jax.nn.one_hot(n_acc, k + 1, dtype=jnp.int32) * count[:, None], 0),
-        accepted_at=s.accepted_at + jnp.sum((idx[:, :k] < n_acc[:, None]) * count[:, None], 0),
-        reached_at=s.reached_at + jnp.sum((idx[:, :k] <= n_acc[:, None]) * count[:, None], 0))
+        accepted_hist=s.accepted_hist.at[n_acc].add(count))
     done = loop.done | is_eos.any(1) & active | (n_tokens >= limit_B)
     return _Loop(seq, n_tokens, done, cache, drafter_state, key, stats)
 
@@ -226,8 +232,7 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
     seq = jnp.zeros((batch, spec.cache_size), jnp.int32).at[:, :width].set(tokens_BP)
     seq = seq.at[jnp.arange(batch), lengths_B].set(first)
     zeros = jnp.zeros((batch,), jnp.int32)
-    stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32),
-                      jnp.zeros((k,), jnp.int32))
+    stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32))
     eos = -1 if spec.eos_id is None else spec.eos_id
     loop = _Loop(seq, lengths_B + 1, (first == eos) | (n_new == 1), cache,
                  drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats), key, stats)

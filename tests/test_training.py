@@ -3,8 +3,10 @@ checkpoints are ignored, 8 devices train like 1, the feature store trains like o
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -91,6 +93,23 @@ def test_resume_equals_uninterrupted_and_ignores_half_written(target_dir, corpus
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), straight, resumed)
     assert losses(tmp_path / "resumed")[6:] == pytest.approx(losses(tmp_path / "straight")[6:], rel=1e-6)
     assert not jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b), at_six, straight))
+
+
+def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
+    """A preempted run (SIGTERM) keeps every step it finished, with no periodic checkpoint due."""
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train_heads.py", "--config=configs/medusa.py:smoke", f"--workdir={workdir}",
+                             f"--config.target={target_dir}", f"--config.data.cache={corpus}",
+                             "--config.train.steps=100000", "--config.train.checkpoint_every=100000",
+                             "--config.train.log_every=1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    logged = len(metrics.read_text().splitlines())
+    saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert logged >= 3 and len(saved) == 1 and saved[0] in (logged, logged + 1)  # signal between step and log
 
 
 def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path):

@@ -87,7 +87,13 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         step = manager.latest_step()
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
-        params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+        except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
+            raise CheckpointError(f"cannot restore head parameters of step {step} from {workdir / 'checkpoints'} "
+                                  f"({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: "
+                                  "delete that step to fall back to an earlier one, or retrain") from err
+    params = restored["params"]
     return meta, graphdef, jax.tree.map(jnp.asarray, params)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import specjax.decode as decode
 from conftest import TINY
-from test_speculative import N_SAMPLES, RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
+from test_speculative import N_SAMPLES, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
 from specjax import heads
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config, target_io

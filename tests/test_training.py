@@ -3,6 +3,7 @@ checkpoints are ignored, 8 devices train like 1, the feature store trains like o
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,12 @@ def test_resume_equals_uninterrupted_and_ignores_half_written(target_dir, corpus
     (junk / "params").mkdir()
     (junk / "params" / "partial").write_bytes(b"\0" * 10)
     _, _, at_six = heads.load_heads(tmp_path / "resumed", stories.cfg, stories.params)
+    shutil.copytree(tmp_path / "resumed", tmp_path / "damaged")
+    for f in (tmp_path / "damaged" / "checkpoints" / "6" / "opt_state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="cannot resume from step 6 .* delete that step directory"):
+        trainer.train(config, tmp_path / "damaged")
     trainer.train(config, tmp_path / "resumed")  # restarts from step 6, not from the half-written 10
     _, _, straight = heads.load_heads(tmp_path / "straight", stories.cfg, stories.params)
     _, _, resumed = heads.load_heads(tmp_path / "resumed", stories.cfg, stories.params)
@@ -175,3 +182,10 @@ def test_clear_errors(target_dir, tmp_path, stories):
     assert out.returncode != 0 and "trained for another target" in out.stderr, out.stderr[-2000:]
     with pytest.raises(CheckpointError, match="heads.json is missing or corrupt"):
         heads.load_heads(tmp_path / "empty", stories.cfg, stories.params)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(REPO / "heads" / "stories260K_eagle", damaged)
+    for f in (damaged / "checkpoints").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data files
+            f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match="cannot restore head parameters of step 2000 .* corrupt"):
+        heads.load_heads(damaged, stories.cfg, stories.params)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
@@ -156,9 +155,14 @@ def train(config, workdir: str | Path, stop_at: int | None = None) -> dict:
         step = manager.latest_step()
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                                              tree)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract(params)), opt_state=ocp.args.StandardRestore(abstract(opt_state)),
-            progress=ocp.args.JsonRestore()))
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract(params)),
+                opt_state=ocp.args.StandardRestore(abstract(opt_state)), progress=ocp.args.JsonRestore()))
+        except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
+            raise CheckpointError(f"cannot resume from step {step} in {workdir / 'checkpoints'} ({type(err).__name__}: "
+                                  f"{str(err)[:300]}); the checkpoint is corrupt: delete that step directory to "
+                                  "resume from an earlier one") from err
         params, opt_state, position = restored["params"], restored["opt_state"], restored["progress"]["position"]
         logging.info("resumed from step %d (data position %d) in %s", step, position, workdir)
 

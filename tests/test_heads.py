@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.decode as decode
 from conftest import TINY
-from test_speculative import N_SAMPLES, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
+from test_speculative import (N_SAMPLES, SMALL, TARGET, first_three, greedy_case, peaked, run_patched,
+                             two_sample_pvalue)
 from specjax import heads
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config, target_io
@@ -105,10 +105,8 @@ def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
     assert 0.05 < summarize(gen.stats)["draft_efficiency"] < 0.95  # the test exercises rejections
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
     if name == "eagle tree":  # negative control: resampling from p instead of the residual is caught
-        monkeypatch.setattr("specjax.acceptance.residual", lambda p, q: p)
-        decode._speculative.clear_cache()
-        broken = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
-        decode._speculative.clear_cache()
+        broken = run_patched(monkeypatch, "specjax.acceptance.residual", lambda p, q: p, lambda: speculative_generate(
+            SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
         assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 

@@ -114,6 +114,16 @@ def two_sample_pvalue(a, b):
     return chi2_contingency(table[:, table.sum(0) > 0]).pvalue
 
 
+def run_patched(monkeypatch, name: str, replacement, run):
+    """`run()` with `name` (e.g. a piece of the acceptance rule) replaced, compiled afresh: negative controls."""
+    monkeypatch.setattr(name, replacement)
+    decode._speculative.clear_cache()
+    try:
+        return run()
+    finally:
+        decode._speculative.clear_cache()
+
+
 @pytest.fixture(scope="module")
 def pair():
     graphdef, params = peaked(SMALL, 0)
@@ -131,10 +141,8 @@ def test_speculative_sampling_is_distributed_as_ar(pair, sampler, monkeypatch):
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
     # Negative control: resampling from p instead of the residual must be caught by the same test.
-    monkeypatch.setattr("specjax.acceptance.residual", lambda p, q: p)
-    decode._speculative.clear_cache()
-    broken = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
-    decode._speculative.clear_cache()
+    broken = run_patched(monkeypatch, "specjax.acceptance.residual", lambda p, q: p, lambda: speculative_generate(
+        SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
     assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 

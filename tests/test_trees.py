@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.decode as decode
 from conftest import TINY
 from specjax.acceptance import sibling_step, tree_sampling
 from specjax.decode import GenerateSpec, generate, speculative_generate
@@ -17,7 +16,8 @@ from specjax.sampling import Sampler
 from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, TreeLayout, balanced, chain
 
 DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
-from test_speculative import RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, two_sample_pvalue
+from test_speculative import (RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, run_patched,
+                             two_sample_pvalue)
 
 V = 5
 
@@ -207,9 +207,7 @@ def test_sampled_tree_speculation_is_distributed_as_ar(sampler, monkeypatch):
 
     # Negative control: no renormalisation of q after a rejected sibling must be caught by the same test.
     real_step = sibling_step
-    monkeypatch.setattr("specjax.acceptance.sibling_step",
-                        lambda p, q, x, without: real_step(p, q, x, False))
-    decode._speculative.clear_cache()
-    broken = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
-    decode._speculative.clear_cache()
+    broken = run_patched(monkeypatch, "specjax.acceptance.sibling_step",
+                         lambda p, q, x, without: real_step(p, q, x, False),
+                         lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
     assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6

@@ -15,28 +15,37 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [layers, B, kv_heads, S, head_dim]
-    v: jax.Array  # [layers, B, kv_heads, head_dim, S]: S last, so attention reads it without a transpose
+    """One buffer per layer (a slice of a stacked buffer would be copied before every attention matmul),
+    rows and heads merged into one leading axis (attention is then a batched matmul that reads the buffer
+    as it is; XLA would copy a reshaped one)."""
+
+    k: tuple[jax.Array, ...]  # per layer [B * kv_heads, S, head_dim]
+    v: tuple[jax.Array, ...]  # per layer [B * kv_heads, head_dim, S]: S last, so attention reads it untransposed
     length: jax.Array  # [B] int32: committed slots per row
 
     @classmethod
     def init(cls, n_layers: int, batch: int, size: int, n_kv_heads: int, head_dim: int, dtype=jnp.float32):
-        k = jnp.zeros((n_layers, batch, n_kv_heads, size, head_dim), dtype)
-        v = jnp.zeros((n_layers, batch, n_kv_heads, head_dim, size), dtype)
+        k = tuple(jnp.zeros((batch * n_kv_heads, size, head_dim), dtype) for _ in range(n_layers))
+        v = tuple(jnp.zeros((batch * n_kv_heads, head_dim, size), dtype) for _ in range(n_layers))
         return cls(k, v, jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[1]
+
+    def _head_rows(self, slots_BN: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(buffer rows [B*kv, 1], slots [B*kv, N]): per-row slots repeated over the row's heads."""
+        heads = self.k[0].shape[0] // self.length.shape[0]
+        return jnp.arange(self.k[0].shape[0])[:, None], jnp.repeat(slots_BN, heads, axis=0)
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, offset: int = 0) -> "KVCache":
         """Writes `[B, kv_heads, T, head_dim]` keys/values of `layer` at slots `length + offset + [0, T)`."""
-        batch, _, t, _ = k_new.shape
-        rows = jnp.arange(batch)[:, None]
-        slots = self.length[:, None] + offset + jnp.arange(t)[None, :]
-        # advanced indices (rows, slots) around a slice: the indexed result is [B, T, kv_heads, head_dim]
-        return self.replace(k=self.k.at[layer, rows, :, slots].set(k_new.swapaxes(1, 2).astype(self.k.dtype)),
-                            v=self.v.at[layer, rows, :, :, slots].set(v_new.swapaxes(1, 2).astype(self.v.dtype)))
+        batch, heads, t, hd = k_new.shape
+        rows, slots = self._head_rows(self.length[:, None] + offset + jnp.arange(t)[None, :])
+        k, v = list(self.k), list(self.v)
+        k[layer] = k[layer].at[rows, slots].set(k_new.reshape(batch * heads, t, hd).astype(k[layer].dtype))
+        v[layer] = v[layer].at[rows, :, slots].set(v_new.reshape(batch * heads, t, hd).astype(v[layer].dtype))
+        return self.replace(k=tuple(k), v=tuple(v))
 
     def advance(self, n: jax.Array | int) -> "KVCache":
         """Commits the next `n` (per row, or scalar) written slots."""
@@ -51,16 +60,15 @@ class KVCache:
 
         `keep[B, M]` holds indices into the T tokens written after `length` (e.g. an accepted tree
         path); the first `n_keep[B]` of them are gathered to slots `length .. length + n_keep - 1`
-        of every layer, and the committed length grows by `n_keep`. One static-shape gather.
+        of every layer, and the committed length grows by `n_keep`. Static shapes.
         """
-        batch, m = keep.shape
-        rows = jnp.arange(batch)[:, None]
-        src = self.length[:, None] + keep
+        m = keep.shape[1]
         dst = self.length[:, None] + jnp.arange(m)[None, :]
-        valid = jnp.arange(m)[None, :] < n_keep[:, None]
-        dst = jnp.where(valid, dst, self.size)  # out of bounds: dropped
-        k = self.k.at[:, rows, :, dst].set(self.k[:, rows, :, src], mode="drop")
-        v = self.v.at[:, rows, :, :, dst].set(self.v[:, rows, :, :, src], mode="drop")
+        dst = jnp.where(jnp.arange(m)[None, :] < n_keep[:, None], dst, self.size)  # out of bounds: dropped
+        rows, src = self._head_rows(self.length[:, None] + keep)
+        _, dst = self._head_rows(dst)
+        k = tuple(k.at[rows, dst].set(k[rows, src], mode="drop") for k in self.k)
+        v = tuple(v.at[rows, :, dst].set(v[rows, :, src], mode="drop") for v in self.v)
         return self.replace(k=k, v=v, length=self.length + n_keep)
 
     def visible(self, mask_BTW: jax.Array) -> jax.Array:

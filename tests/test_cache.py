@@ -17,6 +17,14 @@ def run(tokens, cache, mask=None):
     return forward(GRAPHDEF, PARAMS, tokens, positions, cache, causal_mask(t) if mask is None else mask)
 
 
+def layers(cache, row):
+    """Keys and values of one batch row, every layer: [layers, kv_heads, S, head_dim] each."""
+    heads = TINY.n_kv_heads
+    rows = slice(row * heads, (row + 1) * heads)
+    return (np.stack([np.asarray(k[rows]) for k in cache.k]),
+            np.stack([np.asarray(v[rows]).swapaxes(1, 2) for v in cache.v]))
+
+
 def prefilled(size=24):
     _, _, cache = run(PROMPT, init_cache(TINY, 2, size))
     return cache.advance(PROMPT.shape[1])
@@ -27,7 +35,7 @@ def test_rollback_then_redecode_equals_never_written():
     expected, _, _ = run(jnp.array([[12], [13]]), clean)
     _, _, dirty = run(jnp.array([[90, 91, 92], [93, 94, 95]]), clean)  # speculative garbage ...
     dirty = dirty.advance(3).with_length(clean.length)  # ... committed, then rolled back
-    assert not np.array_equal(np.asarray(dirty.k), np.asarray(clean.k))  # the garbage is still in the buffer
+    assert not np.array_equal(layers(dirty, 0)[0], layers(clean, 0)[0])  # the garbage is still in the buffer
     got, _, _ = run(jnp.array([[12], [13]]), dirty)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
@@ -47,18 +55,15 @@ def test_compact_matches_plain_decode(keep):
     n_keep = jnp.array([3, 2])  # row 1 keeps only the first two of the path
     compacted = written.compact(jnp.array([keep, keep]), n_keep)
 
-    plain = cache
+    assert np.array_equal(np.asarray(compacted.length), np.asarray(cache.length + n_keep))
+    nxt = jnp.array([[40], [41]])
+    after_compact = np.asarray(run(nxt, compacted)[0])
     for row, n in enumerate([3, 2]):
         kept = np.asarray(cand)[row, keep[:n]]
         tokens = jnp.asarray(np.stack([kept if r == row else np.zeros(n, int) for r in range(2)]))
-        _, _, c = run(tokens, cache)
-        plain = plain.replace(k=plain.k.at[:, row].set(c.k[:, row]), v=plain.v.at[:, row].set(c.v[:, row]))
-    plain = plain.advance(n_keep)
-    assert np.array_equal(np.asarray(compacted.length), np.asarray(plain.length))
-    for row, n in enumerate([3, 2]):
+        _, _, plain = run(tokens, cache)  # this row's kept tokens decoded plainly
+        plain = plain.advance(n)
         end = int(cache.length[row]) + n
-        np.testing.assert_allclose(np.asarray(compacted.k[:, row, :, :end]), np.asarray(plain.k[:, row, :, :end]), atol=1e-6)
-        np.testing.assert_allclose(np.asarray(compacted.v[..., :end][:, row]), np.asarray(plain.v[..., :end][:, row]),
-                                   atol=1e-6)
-    nxt = jnp.array([[40], [41]])
-    np.testing.assert_allclose(np.asarray(run(nxt, compacted)[0]), np.asarray(run(nxt, plain)[0]), atol=1e-5)
+        for got, want in zip(layers(compacted, row), layers(plain, row)):
+            np.testing.assert_allclose(got[:, :, :end], want[:, :, :end], atol=1e-6)
+        np.testing.assert_allclose(after_compact[row], np.asarray(run(nxt, plain)[0])[row], atol=1e-5)

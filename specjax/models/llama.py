@@ -79,13 +79,15 @@ class Block(nnx.Module):
         k = apply_rope(qkv[..., h * hd: (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
         v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
         cache = cache.write(self.layer, k.swapaxes(1, 2), v.swapaxes(1, 2), offset)
-        k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B, kv, S, hd]
-        q = q.reshape(b, t, kv, h // kv, hd)
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, k_all, preferred_element_type=jnp.float32)
-        scores = scores * (hd ** -0.5)
+        k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B*kv, S, hd], [B*kv, hd, S]
+        g = h // kv  # query heads per kv head; (row, kv head) is the matmuls' batch axis, (group, token) their rows
+        q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
+        scores = jnp.einsum("xqd,xsd->xqs", q, k_all, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, kv, g, t, -1) * (hd ** -0.5)
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
-        attn = jnp.einsum("bkgts,bkds->btkgd", probs, v_all).reshape(b, t, h * hd)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype).reshape(b * kv, g * t, -1)
+        attn = jnp.einsum("xqs,xds->xqd", probs, v_all).reshape(b, kv, g, t, hd)
+        attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
         x_BTD = x_BTD + self.wo(attn)
         gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTD)), 2, axis=-1)
         return x_BTD + self.w_down(jax.nn.silu(gate) * up), cache

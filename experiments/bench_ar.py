@@ -2,6 +2,7 @@
 
     .venv/bin/python -m experiments.bench_ar [--repeats=5] [--new_tokens=128] [--models=stories260K,llama-15M,llama-110M]
 
+The two systems take turns (`interleaved_medians`), so the machine's drift hits both alike.
 Writes results/bench_ar.{md,csv}. The bandwidth floor is (weight bytes + KV-cache bytes read) per token
 over the read bandwidth measured in the same run.
 """
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from absl import app, flags, logging
 
-from experiments.common import SHAPES, median_time, random_hf_model, read_bandwidth_gbs, write_table
+from experiments.common import SHAPES, interleaved_medians, random_hf_model, read_bandwidth_gbs, write_table
 from specjax.decode import GenerateSpec, compile_decode
 from specjax.models.loading import load_model
 
@@ -34,14 +35,15 @@ def bench(name: str, model_dir: Path, bandwidth: float) -> dict:
     spec = GenerateSpec(n, eos_id=None)
     run, compile_s = compile_decode(model.cfg, model.graphdef, model.params, [prompt], spec)
     ours = np.asarray(run([prompt]).tokens[0])
-    jax_s = median_time(lambda: run([prompt]).tokens.block_until_ready(), FLAGS.repeats)
 
     peer = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     gen = lambda: peer.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         theirs = gen()[0, len(prompt):].numpy()
-        torch_s = median_time(gen, FLAGS.repeats)
+        t = interleaved_medians({"jax": lambda: run([prompt]).tokens.block_until_ready(), "torch": gen},
+                                FLAGS.repeats)
+    jax_s, torch_s = t["jax"], t["torch"]
 
     cfg = model.cfg
     cache_slots = spec.cache_size or (-(-(8 * -(-len(prompt) // 8) + n) // 64) * 64)

@@ -6,9 +6,11 @@ Per target, draft (self / truncated / random), K and temperature: tau, draft eff
 over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, the analytical speedup
 (Leviathan et al.) for the measured mean alpha and cost ratio c, and transformers'
 `generate(assistant_model=...)` speedup over its own `generate`. Model calls are timed in their own compiled
-loops; the draft steps are K one-token steps, one of them a two-token step in rounds that follow a fully
-accepted round (the draft model re-reads the draft token it never saw); the round time excludes the fixed
-cost of prefill, measured with a max_new_tokens=1 run.
+loops (their logits feed the next call through a max: no argmax or sampling counts as model time), taking
+turns with the AR and speculative runs (`interleaved_medians`) so that the machine's drift cancels. The draft
+steps are K - 1 one-token steps and the two-token step that opens each round (the draft model re-reads the
+last accepted token with the pending one); the round time excludes the fixed cost of prefill, measured with
+a max_new_tokens=1 run.
 Writes results/bench_spec.{md,csv}.
 """
 
@@ -22,9 +24,10 @@ import torch
 import transformers
 from absl import app, flags, logging
 
-from experiments.common import SHAPES, median_time, per_call_seconds, random_hf_model, write_table
+from experiments.common import (SHAPES, interleaved_medians, median_time, per_call_loop, random_hf_model,
+                                write_table)
 from specjax.analysis import expected_speedup
-from specjax.decode import GenerateSpec, compile_decode
+from specjax.decode import GenerateSpec, compile_decode, prepare_speculative
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
 from specjax.models.config import LlamaConfig
@@ -43,6 +46,7 @@ PROMPT = "Once upon a time, there was a little"
 RANDOM_DRAFT = {"stories260K": dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512),
                 "llama-110M": SHAPES["llama-15M"]}
 TRUNCATED_LAYERS = {"stories260K": 2, "llama-110M": 2}
+CALLS = 32  # model calls per timed loop
 
 
 def hf_dir_to_specjax(path: Path):
@@ -96,25 +100,28 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
             for k in map(int, FLAGS.ks):
                 drafter = DraftModel(dcfg, dgraphdef, k, sampler)
                 run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams)
-                gen = jax.block_until_ready(run([prompt]))
-                spec_s = median_time(lambda: jax.block_until_ready(run([prompt])), FLAGS.repeats)
-                m = summarize(gen.stats)
+                m = summarize(jax.block_until_ready(run([prompt])).stats)
                 # round time without the fixed cost (prefills, first token): a run of max_new_tokens=1 has no round
                 fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
                                           GenerateSpec(1, sampler, eos_id=None), drafter, dparams)
-                round_s = (spec_s - median_time(lambda: jax.block_until_ready(fixed([prompt])), FLAGS.repeats)) / m[
-                    "rounds"]
-                size = -(-(8 * -(-len(prompt) // 8) + n + k + 1) // 64) * 64
-                step = per_call_seconds(dcfg, dgraphdef, dparams, 1, size, FLAGS.repeats)
-                reread = per_call_seconds(dcfg, dgraphdef, dparams, 2, size, FLAGS.repeats)
-                stale = m["hist"][-1] / m["hist"].sum()  # rounds after a full acceptance re-read 2 tokens
-                draft_s = (k - 1) * step + stale * reread + (1 - stale) * step
-                verify = per_call_seconds(cfg, target.graphdef, target.params, k + 1, size, FLAGS.repeats)
-                c = step / per_call_seconds(cfg, target.graphdef, target.params, 1, size, FLAGS.repeats)
+                size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
+                t = interleaved_medians({
+                    "ar": lambda: jax.block_until_ready(ar_run([prompt])),
+                    "spec": lambda: jax.block_until_ready(run([prompt])),
+                    "fixed": lambda: jax.block_until_ready(fixed([prompt])),
+                    "step": per_call_loop(dcfg, dgraphdef, dparams, 1, size, CALLS),
+                    "reread": per_call_loop(dcfg, dgraphdef, dparams, 2, size, CALLS),
+                    "verify": per_call_loop(cfg, target.graphdef, target.params, k + 1, size, CALLS),
+                    "target_step": per_call_loop(cfg, target.graphdef, target.params, 1, size, CALLS),
+                }, FLAGS.repeats)
+                spec_s, round_s = t["spec"], (t["spec"] - t["fixed"]) / m["rounds"]
+                step, reread, verify = t["step"] / CALLS, t["reread"] / CALLS, t["verify"] / CALLS
+                draft_s = (k - 1) * step + reread
+                c = t["step"] / t["target_step"]
                 a = float(np.nanmean(m["alpha"]))  # i.i.d. acceptance rate of the analytical model
                 hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
                 rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
-                                 draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=ar_s / spec_s,
+                                 draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=t["ar"] / spec_s,
                                  loop_eff=loop_efficiency(draft_s, verify, round_s),
                                  analytic=expected_speedup(a, k, c),
                                  hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))

@@ -38,13 +38,21 @@ def random_hf_model(shape: dict, path: Path, seed: int = 0):
 
 def median_time(fn, repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` runs, after one untimed warm-up run."""
-    fn()
-    times = []
+    return interleaved_medians({"fn": fn}, repeats)["fn"]
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """{name: median wall time of fn()}, the functions timed in turn, `repeats` rounds. Taking turns matters on
+    a shared machine whose speed drifts by tens of percent over seconds: every function sees the same drift,
+    so ratios of the medians are stable where separate runs are not."""
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            fn()  # untimed: the first call after another function's runs slower (caches, thread wake-up)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
@@ -63,9 +71,10 @@ def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=N
     return total, stats
 
 
-def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32) -> float:
-    """Time of one forward of `t` tokens in a compiled loop where each call's input is the previous call's
-    argmax (a true dependency chain, as in decoding); batch 1, cache of `cache_size`."""
+def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32):
+    """A function that runs `calls` forwards of `t` tokens in one compiled loop, each call's input depending on
+    the previous call's logits (a true chain, as in decoding, through their max: no argmax or sampling cost
+    is counted); batch 1, cache of `cache_size`. Time it and divide by `calls` for one model call."""
     @jax.jit
     def loop(params, cache):
         positions = cache.length[:, None] + jnp.arange(t)[None]
@@ -73,11 +82,16 @@ def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: in
         def body(_, carry):
             tokens, cache = carry
             logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+            return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), cache
         return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
 
     cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
-    return median_time(lambda: loop(params, cache).block_until_ready(), repeats) / calls
+    return lambda: loop(params, cache).block_until_ready()
+
+
+def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32) -> float:
+    """Median time of one forward of `t` tokens (see `per_call_loop`)."""
+    return median_time(per_call_loop(cfg, graphdef, params, t, cache_size, calls), repeats) / calls
 
 
 def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample_probs
+from specjax.sampling import argmax, sample_probs
 
 
 def first_rejection(accept_BK: jax.Array) -> jax.Array:
@@ -23,7 +23,7 @@ def greedy_chain(draft_BK: jax.Array, target_logits_BKV: jax.Array):
 
     `target_logits_BKV` has K+1 positions: position i scores the token after draft token i-1.
     """
-    target = jnp.argmax(target_logits_BKV, axis=-1).astype(jnp.int32)  # [B, K+1]
+    target = argmax(target_logits_BKV)  # [B, K+1]
     n = first_rejection(draft_BK == target[:, :-1])
     return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
 
@@ -70,7 +70,7 @@ def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
 
     `layout` is a `specjax.trees.TreeLayout`. Returns (n_accepted [B], next_token [B],
     path [B, D]: accepted node indices by depth, 0 padded)."""
-    target = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)  # [B, N+1]
+    target = argmax(target_logits_BNV)  # [B, N+1]
     parent_target = jnp.take_along_axis(target, layout.parent, axis=1)
     ok = jnp.concatenate([jnp.ones_like(draft_BN[:, :1], bool), draft_BN == parent_target[:, 1:]], axis=1)
     for _ in range(layout.ancestors.shape[-1]):  # a node is kept only if its whole path matches

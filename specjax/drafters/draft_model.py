@@ -46,16 +46,13 @@ class DraftModel(search.Searching):
         return step
 
     def propose(self, params, cache, seq_BS, n_tokens_B, key):
-        # Catch up on the tokens the cache has not read, up to the pending one. A chain's cache lacks only the
-        # last draft token after a fully accepted round (then re-read two tokens); a static tree's cache keeps
-        # the accepted path but its last node; a dynamic tree's keeps nothing (re-read depth + 1 tokens).
-        if isinstance(self.tree, DynamicTree):
-            logits, cache = self._feed(params, cache, seq_BS, n_tokens_B, self.tree.depth + 1)
-        else:
-            pending = n_tokens_B - 1
-            stale = jnp.any(jnp.minimum(cache.length, pending) < pending)
-            logits, cache = jax.lax.cond(stale, lambda: self._feed(params, cache, seq_BS, n_tokens_B, 2),
-                                         lambda: self._feed(params, cache, seq_BS, n_tokens_B, 1))
+        # Re-read what the cache may lack, up to the pending token. A chain's or a static tree's cache lacks at
+        # most the last accepted draft token (never fed), so two tokens always suffice; re-reading a token the
+        # cache holds rewrites its keys/values. Branch-free on purpose: choosing 1 or 2 tokens with `lax.cond`
+        # made XLA copy the whole draft cache into and out of the branch every round. A dynamic tree's cache
+        # keeps nothing of the tree (re-read depth + 1 tokens).
+        t = self.tree.depth + 1 if isinstance(self.tree, DynamicTree) else 2
+        logits, cache = self._feed(params, cache, seq_BS, n_tokens_B, t)
         return search.search(self._step(params), self.sampler, self.k, self.tree, logits, None, n_tokens_B,
                              cache, key)
 

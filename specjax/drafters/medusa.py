@@ -12,6 +12,7 @@ from flax import nnx
 
 from specjax.drafters.base import Draft
 from specjax.models.config import LlamaConfig
+from specjax.sampling import argmax
 from specjax.trees import DynamicTree, Tree, TreeLayout
 
 
@@ -81,7 +82,7 @@ class Medusa:
     def propose(self, params, feat_BH, seq_BS, n_tokens_B, key):
         logits = medusa_logits(self.graphdef, params, feat_BH)[:, : self.k]  # [B, k, V]
         if self.tree is None:
-            return Draft(jnp.argmax(logits, -1).astype(jnp.int32)), feat_BH
+            return Draft(argmax(logits)), feat_BH
         arr = self.tree.arrays
         candidates = jax.lax.top_k(logits, int(arr.rank.max()) + 1)[1]  # [B, k, width]
         tokens = candidates[:, arr.depth[1:] - 1, arr.rank[1:]].astype(jnp.int32)

@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.drafters.base import Draft
 from specjax.models.llama import causal_mask
+from specjax.sampling import argmax, sample_probs
 from specjax.trees import DynamicTree, Tree, TreeLayout
 
 take = lambda ctx, idx_BN: jax.tree.map(lambda c: jnp.take_along_axis(  # ctx rows idx along axis 1
@@ -24,23 +25,27 @@ take = lambda ctx, idx_BN: jax.tree.map(lambda c: jnp.take_along_axis(  # ctx ro
 
 
 def chain(step, sampler, k: int, root_logits_BV, root_ctx, pos0_B, cache, key):
-    """K tokens, each drawn by `sampler` from the drafter's output at the previous one."""
-    keys = jax.random.split(key, k)
-    first = sampler.sample(keys[0], root_logits_BV)
+    """K tokens, each drawn by `sampler` from the drafter's output at the previous one (a `lax.scan`: unrolled,
+    the round measured slower on XLA CPU)."""
+    def draw(key, logits_BV):  # (token, its warped distribution q, or None when greedy)
+        if sampler.greedy:
+            return argmax(logits_BV), None
+        q = sampler.probs(logits_BV)
+        return sample_probs(key, q), q
 
-    def one(carry, key):  # feed the last token, sample the next
+    def one(carry, key):  # feed the last token, draw the next
         token, ctx, i, cache = carry
         logits, ctx, cache = step(cache, token[:, None], (pos0_B + i)[:, None], causal_mask(1), ctx)
-        nxt = sampler.sample(key, logits[:, 0])
-        return (nxt, ctx, i + 1, cache.advance(1)), (nxt, None if sampler.greedy else logits[:, 0])
+        nxt, q = draw(key, logits[:, 0])
+        return (nxt, ctx, i + 1, cache.advance(1)), (nxt, q)
 
+    keys = jax.random.split(key, k)
+    first, q0 = draw(keys[0], root_logits_BV)
     ctx = jax.tree.map(lambda c: c[:, None], root_ctx)
-    (_, _, _, cache), (rest, rest_logits) = jax.lax.scan(one, (first, ctx, 0, cache), keys[1:])
+    (_, _, _, cache), (rest, rest_q) = jax.lax.scan(one, (first, ctx, 0, cache), keys[1:])
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
-    if sampler.greedy:
-        return Draft(tokens), cache
-    scores = jnp.concatenate([root_logits_BV[:, None], rest_logits.swapaxes(0, 1)], axis=1)
-    return Draft(tokens, sampler.probs(scores)), cache
+    q = None if sampler.greedy else jnp.concatenate([q0[:, None], rest_q.swapaxes(0, 1)], axis=1)
+    return Draft(tokens, q), cache
 
 
 def static_tree(step, sampler, tree: Tree, root_logits_BV, root_ctx, pos0_B, cache, key):

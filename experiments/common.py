@@ -46,9 +46,12 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
     a shared machine whose speed drifts by tens of percent over seconds: every function sees the same drift,
     so ratios of the medians are stable where separate runs are not."""
     times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(repeats):
         for name, fn in fns.items():
-            fn()  # untimed: the first call after another function's runs slower (caches, thread wake-up)
+            if len(fns) > 1:
+                fn()  # untimed: the first call after another function's runs slower (caches, thread wake-up)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

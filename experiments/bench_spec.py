@@ -1,13 +1,15 @@
 """Speculative decoding with the draft-model drafter vs AR, and transformers' assisted generation on the same weights.
 
-    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=5]
+    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--drafts=self,truncated,random] [--ks=2,4,8]
+        [--repeats=5]
 
 Per target, draft (self / truncated / random), K and temperature: tau, draft efficiency, tokens/s, speedup
 over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, the analytical speedup
 (Leviathan et al.) for the measured mean alpha and cost ratio c, and transformers'
 `generate(assistant_model=...)` speedup over its own `generate`. Model calls are timed in their own compiled
 loops (their logits feed the next call through a max: no argmax or sampling counts as model time), taking
-turns with the AR and speculative runs (`interleaved_medians`) so that the machine's drift cancels. The draft
+turns with the AR and speculative runs (`interleaved_times`); speedup, loop efficiency and c are computed
+within each repetition, then their median is reported, so that the machine's drift cancels. The draft
 steps are K - 1 one-token steps and the two-token step that opens each round (the draft model re-reads the
 last accepted token with the pending one); the round time excludes the fixed cost of prefill, measured with
 a max_new_tokens=1 run.
@@ -24,7 +26,7 @@ import torch
 import transformers
 from absl import app, flags, logging
 
-from experiments.common import (SHAPES, interleaved_medians, median_time, per_call_loop, random_hf_model,
+from experiments.common import (SHAPES, interleaved_times, median_time, per_call_loop, random_hf_model,
                                 write_table)
 from specjax.analysis import expected_speedup
 from specjax.decode import GenerateSpec, compile_decode, prepare_speculative
@@ -36,6 +38,8 @@ from specjax.models.weights import params_from_hf, read_safetensors
 from specjax.sampling import Sampler
 
 flags.DEFINE_list("models", ["stories260K", "llama-110M"], "Targets.")
+flags.DEFINE_list("drafts", ["self", "truncated", "random"], "Draft models: the target itself, its first layers, "
+                  "a small random model.")
 flags.DEFINE_list("ks", ["2", "4", "8"], "Draft lengths K.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")
@@ -55,15 +59,23 @@ def hf_dir_to_specjax(path: Path):
 
 
 def drafts(name: str, target_dir: Path, tmp: Path):
-    """{draft name: (HF model dir)}; the truncated draft is the target's first layers, saved as its own model."""
-    out = {"self": target_dir}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
-    hf.config.num_hidden_layers = TRUNCATED_LAYERS[name]
-    hf.model.layers = hf.model.layers[: TRUNCATED_LAYERS[name]]
-    hf.save_pretrained(tmp / "truncated")
-    out["truncated"] = tmp / "truncated"
-    random_hf_model(RANDOM_DRAFT[name], tmp / "random", seed=5)
-    out["random"] = tmp / "random"
+    """{draft name: HF model dir} of the drafts in --drafts; the truncated draft is the target's first layers,
+    saved as its own model."""
+    out = {}
+    for draft in FLAGS.drafts:
+        if draft == "self":
+            out[draft] = target_dir
+        elif draft == "truncated":
+            hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
+            hf.config.num_hidden_layers = TRUNCATED_LAYERS[name]
+            hf.model.layers = hf.model.layers[: TRUNCATED_LAYERS[name]]
+            hf.save_pretrained(tmp / draft)
+            out[draft] = tmp / draft
+        elif draft == "random":
+            random_hf_model(RANDOM_DRAFT[name], tmp / draft, seed=5)
+            out[draft] = tmp / draft
+        else:
+            raise ValueError(f"unknown draft {draft!r}: choose from self, truncated, random")
     return out
 
 
@@ -105,7 +117,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
                                           GenerateSpec(1, sampler, eos_id=None), drafter, dparams)
                 size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
-                t = interleaved_medians({
+                t = {name: np.array(v) for name, v in interleaved_times({
                     "ar": lambda: jax.block_until_ready(ar_run([prompt])),
                     "spec": lambda: jax.block_until_ready(run([prompt])),
                     "fixed": lambda: jax.block_until_ready(fixed([prompt])),
@@ -113,16 +125,16 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                     "reread": per_call_loop(dcfg, dgraphdef, dparams, 2, size, CALLS),
                     "verify": per_call_loop(cfg, target.graphdef, target.params, k + 1, size, CALLS),
                     "target_step": per_call_loop(cfg, target.graphdef, target.params, 1, size, CALLS),
-                }, FLAGS.repeats)
-                spec_s, round_s = t["spec"], (t["spec"] - t["fixed"]) / m["rounds"]
-                step, reread, verify = t["step"] / CALLS, t["reread"] / CALLS, t["verify"] / CALLS
-                draft_s = (k - 1) * step + reread
-                c = t["step"] / t["target_step"]
+                }, FLAGS.repeats).items()}  # ratios below are taken within each repetition, then their median
+                round_s = (t["spec"] - t["fixed"]) / m["rounds"]
+                draft_s = ((k - 1) * t["step"] + t["reread"]) / CALLS
+                c = np.median(t["step"] / t["target_step"])
                 a = float(np.nanmean(m["alpha"]))  # i.i.d. acceptance rate of the analytical model
                 hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
                 rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
-                                 draft_eff=m["draft_efficiency"], tok_s=n / spec_s, speedup=t["ar"] / spec_s,
-                                 loop_eff=loop_efficiency(draft_s, verify, round_s),
+                                 draft_eff=m["draft_efficiency"], tok_s=n / np.median(t["spec"]),
+                                 speedup=np.median(t["ar"] / t["spec"]),
+                                 loop_eff=np.median(loop_efficiency(draft_s, t["verify"] / CALLS, round_s)),
                                  analytic=expected_speedup(a, k, c),
                                  hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))
                 print(rows[-1], flush=True)

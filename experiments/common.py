@@ -42,9 +42,14 @@ def median_time(fn, repeats: int) -> float:
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """{name: median wall time of fn()}, the functions timed in turn, `repeats` rounds. Taking turns matters on
-    a shared machine whose speed drifts by tens of percent over seconds: every function sees the same drift,
-    so ratios of the medians are stable where separate runs are not."""
+    """{name: median wall time of fn()}, the functions timed in turn (see `interleaved_times`)."""
+    return {name: statistics.median(t) for name, t in interleaved_times(fns, repeats).items()}
+
+
+def interleaved_times(fns: dict, repeats: int) -> dict:
+    """{name: [wall time of fn() in each of `repeats` rounds]}, the functions timed in turn. Taking turns matters
+    on a shared machine whose speed drifts by tens of percent over seconds: the times of one round saw the same
+    drift, so a ratio computed within each round (then its median) is stable where separate runs are not."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm-up
@@ -55,7 +60,7 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import argmax, sample_probs
+from specjax.sampling import argmax, inverse_cdf
 
 
 def first_rejection(accept_BK: jax.Array) -> jax.Array:
@@ -54,13 +54,13 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
     a deterministic proposal (q is a point mass on each draft token).
     """
     b, k = draft_BK.shape
-    key_accept, key_resample = jax.random.split(key)
-    accept = jax.random.uniform(key_accept, (b, k)) < acceptance_probs(draft_BK, q_BKV, p_BKV)
+    u = jax.random.uniform(key, (b, k + 1))  # K acceptance tests, then the resample: one PRNG call
+    accept = u[:, :k] < acceptance_probs(draft_BK, q_BKV, p_BKV)
     n = first_rejection(accept)
     q = jax.nn.one_hot(draft_BK, p_BKV.shape[-1], dtype=p_BKV.dtype) if q_BKV is None else q_BKV
     q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_K = 0: the bonus token comes from p_K
     pick = lambda probs: jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
-    return n, sample_probs(key_resample, residual(pick(p_BKV), pick(q)))
+    return n, inverse_cdf(residual(pick(p_BKV), pick(q)), u[:, k])
 
 
 # --- trees ------------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool
     node_tokens = jnp.concatenate([jnp.zeros_like(draft_BN[:, :1]), draft_BN], axis=1)
     node, walking = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
     p, path = p_BNV[:, 0], []
-    keys = jax.random.split(key, depth * width + 1)
+    u = jax.random.uniform(key, (depth * width + 1, b))  # one per sibling test, then the final draw
     for d in range(depth):
         kids = layout.children[rows, node]  # [B, W]
         q = None if q_BNV is None else q_BNV[rows, jnp.maximum(kids[:, 0] - 1, 0)]  # shared by the siblings
@@ -124,7 +124,7 @@ def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool
             accept, p_rejected, q_rejected = sibling_step(p, q_x, x, without_replacement and q is not None)
             possible = jnp.take_along_axis(q_x, x[:, None], axis=1)[:, 0] > 0  # else skipped: never drawn
             tried = walking & ~moved & (child >= 0) & possible
-            hit = tried & (jax.random.uniform(keys[d * width + w], (b,)) < accept)
+            hit = tried & (u[d * width + w] < accept)
             p = jnp.where((tried & ~hit)[:, None], p_rejected, p)
             if q is not None:
                 q = jnp.where((tried & ~hit)[:, None], q_rejected, q)
@@ -133,4 +133,4 @@ def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool
         p = jnp.where(moved[:, None], p_BNV[rows, chosen], p)
         node, walking = chosen, walking & moved
     n = jnp.sum(jnp.stack(path, 1) > 0, axis=1)
-    return n, sample_probs(keys[-1], p), jnp.stack(path, axis=1)
+    return n, inverse_cdf(p, u[-1]), jnp.stack(path, axis=1)

@@ -79,25 +79,24 @@ def _generate(cfg, graphdef, params, tokens_BP, lengths_B, key, spec: GenerateSp
     n_new, sampler = spec.max_new_tokens, spec.sampler
     eos = -1 if spec.eos_id is None else spec.eos_id
     logits, cache, _ = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
-    key, sub = jax.random.split(key)
-    first = sampler.sample(sub, logits)
+    uniforms = jax.random.uniform(key, (n_new, batch))  # the whole job's randomness in one PRNG call
+    first = sampler.sample_with(uniforms[0], logits)
     out = jnp.zeros((batch, n_new), jnp.int32).at[:, 0].set(first)
 
     def cond(carry):
-        i, _, _, done, _, _ = carry
+        i, _, _, done, _ = carry
         return (i < n_new) & ~jnp.all(done)
 
     def body(carry):
-        i, out, cache, done, n, key = carry
+        i, out, cache, done, n = carry
         prev = out[:, i - 1][:, None]
         logits, _, cache = forward(graphdef, params, prev, cache.length[:, None], cache, causal_mask(1))
-        key, sub = jax.random.split(key)
-        nxt = jnp.where(done, 0, sampler.sample(sub, logits[:, 0]))
+        nxt = jnp.where(done, 0, sampler.sample_with(uniforms[i], logits[:, 0]))
         out = out.at[:, i].set(nxt)
-        return i + 1, out, cache.advance(1), done | (nxt == eos), n + ~done, key
+        return i + 1, out, cache.advance(1), done | (nxt == eos), n + ~done
 
-    init = (jnp.int32(1), out, cache, first == eos, jnp.ones((batch,), jnp.int32), key)
-    i, out, _, _, n, _ = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(1), out, cache, first == eos, jnp.ones((batch,), jnp.int32))
+    i, out, _, _, n = jax.lax.while_loop(cond, body, init)
     return Generation(out, n, i - 1)
 
 
@@ -155,7 +154,6 @@ class _Loop:
     done: jax.Array  # [B]
     cache: object
     drafter_state: object
-    key: jax.Array
     stats: SpecStats
 
 
@@ -187,10 +185,11 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
     return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, feats, cache
 
 
-def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B):
-    """One round: draft -> verify in one target pass -> accept -> commit. Rows that are done stay put."""
+def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B, keys):
+    """One round: draft -> verify in one target pass -> accept -> commit. Rows that are done stay put.
+    `keys` [max rounds, 2]: the drafter's and the acceptance rule's key of each round."""
     k = drafter.k  # most draft tokens one round can accept: the chain length or the tree depth
-    key, k_draft, k_accept = jax.random.split(loop.key, 3)
+    k_draft, k_accept = keys[loop.stats.rounds]
     draft, drafter_state = drafter.propose(drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft)
     pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)[:, 0]
     n_acc, nxt, accepted, path, feats, cache = verify(cfg, graphdef, params, spec.sampler, draft, pending,
@@ -219,7 +218,7 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
         rounds=s.rounds + 1, row_rounds=s.row_rounds + count, emitted=s.emitted + n_emit,
         accepted_hist=s.accepted_hist.at[n_acc].add(count))
     done = loop.done | is_eos.any(1) & active | (n_tokens >= limit_B)
-    return _Loop(seq, n_tokens, done, cache, drafter_state, key, stats)
+    return _Loop(seq, n_tokens, done, cache, drafter_state, stats)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
@@ -229,17 +228,18 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
     logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
     key, sub = jax.random.split(key)
     first = spec.sampler.sample(sub, logits)
+    round_keys = jax.random.split(key, (n_new, 2))  # every round emits a token: at most n_new rounds
     seq = jnp.zeros((batch, spec.cache_size), jnp.int32).at[:, :width].set(tokens_BP)
     seq = seq.at[jnp.arange(batch), lengths_B].set(first)
     zeros = jnp.zeros((batch,), jnp.int32)
     stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32))
     eos = -1 if spec.eos_id is None else spec.eos_id
     loop = _Loop(seq, lengths_B + 1, (first == eos) | (n_new == 1), cache,
-                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats), key, stats)
+                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats), stats)
     limit = lengths_B + n_new
     loop = jax.lax.while_loop(
         lambda lp: ~jnp.all(lp.done),
-        lambda lp: spec_round(cfg, graphdef, params, drafter, drafter_params, spec, lp, limit), loop)
+        lambda lp: spec_round(cfg, graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys), loop)
     out = jnp.take_along_axis(loop.seq, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens - lengths_B
     out = jnp.where(jnp.arange(n_new)[None] < n_out[:, None], out, 0)

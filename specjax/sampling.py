@@ -59,6 +59,13 @@ class Sampler:
             return argmax(logits)
         return sample_probs(key, self.probs(logits))
 
+    def sample_with(self, u: jax.Array, logits: jax.Array) -> jax.Array:
+        """`sample` driven by uniforms `u` [...] in [0, 1) drawn beforehand, one per row. Decode loops draw a
+        whole job's or round's uniforms in one call: on XLA CPU each PRNG call is a loop of several kernels."""
+        if self.greedy:
+            return argmax(logits)
+        return inverse_cdf(self.probs(logits), u)
+
 
 def argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, -1)` as int32 (the first maximum wins ties), written as two plain reductions: XLA CPU
@@ -89,8 +96,10 @@ def inverse_cdf(probs: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
 
 
 def last_positive(x: jax.Array) -> jax.Array:
-    """Index of the last positive entry along the last axis (the last index if none is positive)."""
-    return x.shape[-1] - 1 - argmax((x > 0)[..., ::-1])
+    """Index of the last positive entry along the last axis (the last index if none is positive): one reduction."""
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    last = jnp.max(jnp.where(x > 0, index, -1), axis=-1)
+    return jnp.where(last < 0, x.shape[-1] - 1, last)
 
 
 def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:

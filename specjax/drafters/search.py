@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.drafters.base import Draft
 from specjax.models.llama import causal_mask
-from specjax.sampling import argmax, sample_probs
+from specjax.sampling import argmax, inverse_cdf
 from specjax.trees import DynamicTree, Tree, TreeLayout
 
 take = lambda ctx, idx_BN: jax.tree.map(lambda c: jnp.take_along_axis(  # ctx rows idx along axis 1
@@ -26,23 +26,24 @@ take = lambda ctx, idx_BN: jax.tree.map(lambda c: jnp.take_along_axis(  # ctx ro
 
 def chain(step, sampler, k: int, root_logits_BV, root_ctx, pos0_B, cache, key):
     """K tokens, each drawn by `sampler` from the drafter's output at the previous one (a `lax.scan`: unrolled,
-    the round measured slower on XLA CPU)."""
-    def draw(key, logits_BV):  # (token, its warped distribution q, or None when greedy)
+    the round measured slower on XLA CPU). The K uniforms per row come from one PRNG call."""
+    def draw(u_B, logits_BV):  # (token, its warped distribution q, or None when greedy)
         if sampler.greedy:
             return argmax(logits_BV), None
         q = sampler.probs(logits_BV)
-        return sample_probs(key, q), q
+        return inverse_cdf(q, u_B), q
 
-    def one(carry, key):  # feed the last token, draw the next
+    def one(carry, u_B):  # feed the last token, draw the next
         token, ctx, i, cache = carry
         logits, ctx, cache = step(cache, token[:, None], (pos0_B + i)[:, None], causal_mask(1), ctx)
-        nxt, q = draw(key, logits[:, 0])
+        nxt, q = draw(u_B, logits[:, 0])
         return (nxt, ctx, i + 1, cache.advance(1)), (nxt, q)
 
-    keys = jax.random.split(key, k)
-    first, q0 = draw(keys[0], root_logits_BV)
+    u = None if sampler.greedy else jax.random.uniform(key, (k, root_logits_BV.shape[0]))
+    first, q0 = draw(None if u is None else u[0], root_logits_BV)
     ctx = jax.tree.map(lambda c: c[:, None], root_ctx)
-    (_, _, _, cache), (rest, rest_q) = jax.lax.scan(one, (first, ctx, 0, cache), keys[1:])
+    (_, _, _, cache), (rest, rest_q) = jax.lax.scan(one, (first, ctx, 0, cache), None if u is None else u[1:],
+                                                    length=k - 1)
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     q = None if sampler.greedy else jnp.concatenate([q0[:, None], rest_q.swapaxes(0, 1)], axis=1)
     return Draft(tokens, q), cache

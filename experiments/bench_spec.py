@@ -1,7 +1,7 @@
 """Speculative decoding with the draft-model drafter vs AR, and transformers' assisted generation on the same weights.
 
-    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--drafts=self,truncated,random] [--ks=2,4,8]
-        [--repeats=5]
+    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=5]
+        [--drafts=self,truncated,random] [--new_tokens=128] [--nohf]
 
 Per target, draft (self / truncated / random), K and temperature: tau, draft efficiency, tokens/s, speedup
 over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, the analytical speedup

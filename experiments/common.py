@@ -49,7 +49,8 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
 def interleaved_times(fns: dict, repeats: int) -> dict:
     """{name: [wall time of fn() in each of `repeats` rounds]}, the functions timed in turn. Taking turns matters
     on a shared machine whose speed drifts by tens of percent over seconds: the times of one round saw the same
-    drift, so a ratio computed within each round (then its median) is stable where separate runs are not."""
+    drift, so a ratio computed within each round (then its median) cancels it. Bursts shorter than one call do
+    not cancel: repeat more."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm-up

@@ -117,7 +117,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
                                           GenerateSpec(1, sampler, eos_id=None), drafter, dparams)
                 size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
-                t = {name: np.array(v) for name, v in interleaved_times({
+                t = {part: np.array(v) for part, v in interleaved_times({
                     "ar": lambda: jax.block_until_ready(ar_run([prompt])),
                     "spec": lambda: jax.block_until_ready(run([prompt])),
                     "fixed": lambda: jax.block_until_ready(fixed([prompt])),

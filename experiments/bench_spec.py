@@ -1,10 +1,11 @@
 """Speculative decoding with the draft-model drafter vs AR, and transformers' assisted generation on the same weights.
 
-    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=5]
-        [--drafts=self,truncated,random] [--new_tokens=128] [--nohf]
+    .venv/bin/python -m experiments.bench_spec [--models=stories260K,llama-110M] [--ks=2,4,8] [--repeats=21]
+        [--hf_repeats=5] [--drafts=self,truncated,random] [--new_tokens=128] [--nohf]
 
 Per target, draft (self / truncated / random), K and temperature: tau, draft efficiency, tokens/s, speedup
-over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time, the analytical speedup
+over specjax AR, loop efficiency = (draft steps + verify pass) / measured round time (the median of the per-repetition
+ratios, and the fastest model calls against the fastest round: the estimate for a quiet machine), the analytical speedup
 (Leviathan et al.) for the measured mean alpha and cost ratio c, and transformers'
 `generate(assistant_model=...)` speedup over its own `generate`. Model calls are timed in their own compiled
 loops (their logits feed the next call through a max: no argmax or sampling counts as model time), taking
@@ -12,7 +13,7 @@ turns with the AR and speculative runs (`interleaved_times`); speedup, loop effi
 within each repetition, then their median is reported, so that the machine's drift cancels. The draft
 steps are K - 1 one-token steps and the two-token step that opens each round (the draft model re-reads the
 last accepted token with the pending one); the round time excludes the fixed cost of prefill, measured with
-a max_new_tokens=1 run.
+a max_new_tokens=1 run. The self-draft is the target itself, the same weight buffers (in transformers too).
 Writes results/bench_spec.{md,csv}.
 """
 
@@ -42,7 +43,8 @@ flags.DEFINE_list("drafts", ["self", "truncated", "random"], "Draft models: the 
                   "a small random model.")
 flags.DEFINE_list("ks", ["2", "4", "8"], "Draft lengths K.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
-flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")
+flags.DEFINE_integer("repeats", 21, "Timed runs of each specjax function per configuration (median).")
+flags.DEFINE_integer("hf_repeats", 5, "Timed runs of each transformers generation per configuration (median).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_bool("hf", True, "Also time transformers' assisted generation.")
 FLAGS = flags.FLAGS
@@ -87,7 +89,7 @@ def hf_generate_seconds(target, assistant, ids, n, k, temperature):
         kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
                       assistant_confidence_threshold=0.0)
     with torch.inference_mode():
-        return median_time(lambda: target.generate(ids, **kwargs), FLAGS.repeats)
+        return median_time(lambda: target.generate(ids, **kwargs), FLAGS.hf_repeats)
 
 
 def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
@@ -104,11 +106,14 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
         ar_s = median_time(lambda: jax.block_until_ready(ar_run([prompt])), FLAGS.repeats)
         hf_ar_s = hf_generate_seconds(hf_target, None, ids, n, 0, temperature) if FLAGS.hf else np.nan
         rows.append(dict(target=name, draft="none (AR)", K=0, T=temperature, tau=1.0, draft_eff=np.nan,
-                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, analytic=1.0, hf_tok_s=n / hf_ar_s,
-                         hf_speedup=1.0))
+                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, loop_eff_min=np.nan, analytic=1.0,
+                         hf_tok_s=n / hf_ar_s, hf_speedup=1.0))
         for draft_name, draft_dir in drafts(name, target_dir, tmp).items():
-            dcfg, dgraphdef, dparams = hf_dir_to_specjax(draft_dir)
-            hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval() if FLAGS.hf else None
+            if draft_name == "self":  # the target's own buffers, not a copy: one weight set in the caches
+                dcfg, dgraphdef, dparams, hf_draft = cfg, target.graphdef, target.params, hf_target
+            else:
+                dcfg, dgraphdef, dparams = hf_dir_to_specjax(draft_dir)
+                hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval() if FLAGS.hf else None
             for k in map(int, FLAGS.ks):
                 drafter = DraftModel(dcfg, dgraphdef, k, sampler)
                 run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams)
@@ -135,6 +140,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                                  draft_eff=m["draft_efficiency"], tok_s=n / np.median(t["spec"]),
                                  speedup=np.median(t["ar"] / t["spec"]),
                                  loop_eff=np.median(loop_efficiency(draft_s, t["verify"] / CALLS, round_s)),
+                                 loop_eff_min=np.min(draft_s + t["verify"] / CALLS) / np.min(round_s),
                                  analytic=expected_speedup(a, k, c),
                                  hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))
                 print(rows[-1], flush=True)
@@ -159,7 +165,8 @@ def main(argv):
             (tmp / name).mkdir(exist_ok=True)
             rows += bench_target(name, path, tmp / name)
     title = (f"Speculative decoding (draft model) vs AR, batch 1, {FLAGS.new_tokens} new tokens, float32, medians of "
-             f"{FLAGS.repeats}; hf = transformers {transformers.__version__} assisted generation vs its own generate")
+             f"{FLAGS.repeats} (transformers {FLAGS.hf_repeats}); hf = transformers {transformers.__version__} "
+             "assisted generation vs its own generate")
     print(write_table("bench_spec", rows, title))
 
 

@@ -13,7 +13,8 @@ turns with the AR and speculative runs (`interleaved_times`); speedup, loop effi
 within each repetition, then their median is reported, so that the machine's drift cancels. The draft
 steps are K - 1 one-token steps and the two-token step that opens each round (the draft model re-reads the
 last accepted token with the pending one); the round time excludes the fixed cost of prefill, measured with
-a max_new_tokens=1 run. The self-draft is the target itself, the same weight buffers (in transformers too).
+a max_new_tokens=1 run on a cache of the same size. The self-draft is the target itself, the same weight
+buffers (in transformers too).
 Writes results/bench_spec.{md,csv}.
 """
 
@@ -118,10 +119,11 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 drafter = DraftModel(dcfg, dgraphdef, k, sampler)
                 run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams)
                 m = summarize(jax.block_until_ready(run([prompt])).stats)
-                # round time without the fixed cost (prefills, first token): a run of max_new_tokens=1 has no round
-                fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
-                                          GenerateSpec(1, sampler, eos_id=None), drafter, dparams)
+                # round time without the fixed cost (prefills, first token): a run of max_new_tokens=1 (same cache
+                # size: prefill time grows with it) has no round
                 size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
+                fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
+                                          GenerateSpec(1, sampler, size, eos_id=None), drafter, dparams)
                 t = {part: np.array(v) for part, v in interleaved_times({
                     "ar": lambda: jax.block_until_ready(ar_run([prompt])),
                     "spec": lambda: jax.block_until_ready(run([prompt])),

@@ -55,13 +55,11 @@ class Sampler:
 
     def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
         """One token per row of `logits` [..., V] (int32)."""
-        if self.greedy:
-            return argmax(logits)
-        return sample_probs(key, self.probs(logits))
+        return self.sample_with(jax.random.uniform(key, logits.shape[:-1]), logits)
 
     def sample_with(self, u: jax.Array, logits: jax.Array) -> jax.Array:
-        """`sample` driven by uniforms `u` [...] in [0, 1) drawn beforehand, one per row. Decode loops draw a
-        whole job's or round's uniforms in one call: on XLA CPU each PRNG call is a loop of several kernels."""
+        """`sample` driven by uniforms `u` [...] in [0, 1) drawn beforehand, one per row (decode loops draw a
+        whole job's or round's uniforms in one PRNG call)."""
         if self.greedy:
             return argmax(logits)
         return inverse_cdf(self.probs(logits), u)

@@ -83,13 +83,13 @@ def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=N
 def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32):
     """A function that runs `calls` forwards of `t` tokens in one compiled loop, each call's input depending on
     the previous call's logits (a true chain, as in decoding, through their max: no argmax or sampling cost
-    is counted); batch 1, cache of `cache_size`. Time it and divide by `calls` for one model call."""
+    is counted); batch 1, cache of `cache_size`. The positions depend on the tokens, as in decoding, so that XLA
+    cannot hoist their work out of the loop. Time it and divide by `calls` for one model call."""
     @jax.jit
     def loop(params, cache):
-        positions = cache.length[:, None] + jnp.arange(t)[None]
-
         def body(_, carry):
             tokens, cache = carry
+            positions = cache.length[:, None] + jnp.arange(t)[None] + (tokens > 10**9)  # + 0
             logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
             return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), cache
         return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]

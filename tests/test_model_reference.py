@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.llama import causal_mask, forward, init_cache, rope_angles
 from specjax.models.weights import params_from_hf, read_safetensors
 
 CONFIGS = {
@@ -101,3 +101,16 @@ def test_bfloat16_forward_tracks_float32(tmp_path):
     scale = np.abs(out["float32"]).max()
     assert np.abs(out["bfloat16"] - out["float32"]).max() < 0.05 * scale
     assert (out["bfloat16"].argmax(-1) == out["float32"].argmax(-1)).mean() > 0.8
+
+
+def test_rope_lookup_matches_the_angles_and_is_nan_beyond_its_table():
+    """The looked-up cos/sin equal the float32 angles' to an ulp; a position past the table is NaN, never a
+    silently wrong rotation."""
+    inv = tuple(float(f) for f in CONFIGS["llama3_rope_scaling_head_dim"].inv_freq())
+    positions = jnp.arange(300)[None]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
+    cos, sin = rope_angles(inv, positions, 300)
+    np.testing.assert_allclose(cos, jnp.cos(angles), rtol=0, atol=3e-7)
+    np.testing.assert_allclose(sin, jnp.sin(angles), rtol=0, atol=3e-7)
+    beyond = rope_angles(inv, jnp.array([[299, 300]]), 300)
+    assert all(np.isfinite(t[0, 0]).all() and np.isnan(t[0, 1]).all() for t in beyond)

@@ -31,7 +31,7 @@ class EagleHead(nnx.Module):
         """(predicted features [B, T, H], cache) for inputs (embedding of token i + 1, feature i)."""
         b, t, _ = embeds_BTH.shape
         mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
-        cos, sin = rope_angles(self.inv_freq, positions_BT)
+        cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
         x = self.fc(jnp.concatenate([embeds_BTH, feats_BTH.astype(embeds_BTH.dtype)], axis=-1))
         return self.layer(x, cos, sin, cache, cache.visible(mask_BTW), mask_BTW.shape[-1] - t)
 

@@ -6,8 +6,11 @@ decoding loop calls; the NNX module only defines parameters and the computation.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from specjax.cache import KVCache
@@ -51,10 +54,18 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def rope_angles(inv_freq: tuple[float, ...], positions_BT):
-    """(cos, sin) [B, T, D/2] of the rotary angles at `positions_BT`."""
-    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(angles), jnp.sin(angles)
+@functools.lru_cache(maxsize=None)
+def rope_table(inv_freq: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [size, D/2] of the rotary angles at positions 0..size-1 (float32 angles, as in transformers)."""
+    angles = np.arange(size, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]
+    return np.cos(angles, dtype=np.float64).astype(np.float32), np.sin(angles, dtype=np.float64).astype(np.float32)
+
+
+def rope_angles(inv_freq: tuple[float, ...], positions_BT, size: int):
+    """(cos, sin) [B, T, D/2] at `positions_BT` (< `size`, else NaN), looked up in `rope_table`: XLA CPU evaluates
+    cos/sin inside every layer's RoPE fusion, which cost a 9-token decoding pass of stories260K ~8%."""
+    return tuple(jnp.take(jnp.asarray(t), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
+                 for t in rope_table(inv_freq, size))
 
 
 class Block(nnx.Module):
@@ -108,7 +119,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
         b, t = tokens_BT.shape
         mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
-        cos, sin = rope_angles(self.inv_freq, positions_BT)
+        cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
         visible = cache.visible(mask_BTW)
         x = self.embed(tokens_BT)
         tapped = []

@@ -104,7 +104,7 @@ def test_bfloat16_forward_tracks_float32(tmp_path):
 
 
 def test_rope_lookup_matches_the_angles_and_is_nan_beyond_its_table():
-    """The looked-up cos/sin equal the float32 angles' to an ulp; a position past the table is NaN, never a
+    """The looked-up cos/sin equal those of the float32 angles within 3e-7; a position past the table is NaN, never a
     silently wrong rotation."""
     inv = tuple(float(f) for f in CONFIGS["llama3_rope_scaling_head_dim"].inv_freq())
     positions = jnp.arange(300)[None]

@@ -9,6 +9,8 @@ saves the current step before exiting. The heads load into
 """
 
 import signal
+import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -21,16 +23,17 @@ flags.DEFINE_string("workdir", None, "checkpoints, heads.json, metrics.jsonl and
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")  # the trainer saves the current step, then re-raises
-
-
 def main(argv):
     del argv
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGTERM (preemption) ends the run after the current step, which is saved; raising from the handler instead
+    # could interrupt a library call half-way and lose the save
+    preempted = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.set())
     logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)  # per-save chatter
-    summary = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    if preempted.is_set():
+        sys.exit(f"stopped by SIGTERM after step {summary['step']} (saved): re-run with the same --workdir to resume")
 
 
 if __name__ == "__main__":

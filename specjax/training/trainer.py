@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -104,9 +105,10 @@ class Logger:
         self.tb.close()
 
 
-def train(config, workdir: str | Path, stop_at: int | None = None) -> dict:
+def train(config, workdir: str | Path, stop_at: int | None = None, stop: threading.Event | None = None) -> dict:
     """Trains heads per `config` in `workdir`, resuming from its latest checkpoint; stops after step
-    `config.train.steps` (or `stop_at`, for a time-sliced run). Returns the last logged metrics and timing."""
+    `config.train.steps` (or `stop_at`, for a time-sliced run), or after the step during which `stop` is set
+    (preemption), saving that step. Returns the last logged metrics and timing."""
     import orbax.checkpoint as ocp
 
     workdir = Path(workdir).absolute()
@@ -174,7 +176,7 @@ def train(config, workdir: str | Path, stop_at: int | None = None) -> dict:
     logger, last, end = Logger(workdir), {}, min(t.steps, stop_at or t.steps)
     window_start, window_tokens = time.perf_counter(), 0
     try:
-        while step < end:
+        while step < end and not (stop is not None and stop.is_set()):
             rows = data.batch_indices(position, t.batch_size, len(tokens), config.seed)
             batch = jax.device_put(tokens[rows], batch_sharding)
             window_tokens += batch.size

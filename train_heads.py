@@ -33,7 +33,7 @@ def main(argv):
     summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     if preempted.is_set():
-        sys.exit(f"stopped by SIGTERM after step {summary['step']} (saved): re-run with the same --workdir to resume")
+        sys.exit(f"stopped by SIGTERM at step {summary['step']}: re-run with the same --workdir to resume")
 
 
 if __name__ == "__main__":

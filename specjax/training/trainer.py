@@ -174,9 +174,10 @@ def train(config, workdir: str | Path, stop_at: int | None = None, stop: threadi
             progress=ocp.args.JsonSave({"step": step, "position": position})))
 
     logger, last, end = Logger(workdir), {}, min(t.steps, stop_at or t.steps)
+    stop = stop or threading.Event()  # never set: run to the end
     window_start, window_tokens = time.perf_counter(), 0
     try:
-        while step < end and not (stop is not None and stop.is_set()):
+        while step < end and not stop.is_set():
             rows = data.batch_indices(position, t.batch_size, len(tokens), config.seed)
             batch = jax.device_put(tokens[rows], batch_sharding)
             window_tokens += batch.size

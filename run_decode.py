@@ -1,8 +1,8 @@
 """Decodes text with a Llama-family model, autoregressively or speculatively. No flags: a story from stories260K.
 
-    python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperature=0.8
-    python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
-    python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
+python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperature=0.8
+python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
+python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
 """
 
 from pathlib import Path
@@ -22,7 +22,9 @@ from specjax.trees import parse_tree
 
 FLAGS = flags.FLAGS
 HEADS = Path(__file__).resolve().parent / "heads"
-flags.DEFINE_string("model", None, "Model path, hub repo id, or None for stories260K (see specjax/models/loading.py).")
+flags.DEFINE_string(
+    "model", None, "Model path, hub repo id, or None for stories260K (see specjax/models/loading.py)."
+)
 flags.DEFINE_multi_string("prompt", None, "Prompt text (repeatable). Default: 'Once upon a time'.")
 flags.DEFINE_string("prompts_file", None, "A file with one prompt per line.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
@@ -32,15 +34,28 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
-flags.DEFINE_enum("drafter", "none", ["none", "draft_model", "medusa", "eagle"],
-                  "Draft source; none = plain AR decoding.")
-flags.DEFINE_string("draft_model", None, "Draft model path/name (default: the target truncated to --draft_layers).")
-flags.DEFINE_integer("draft_layers", 1, "Layers of the truncated-target draft when --draft_model is not given.")
-flags.DEFINE_string("heads", None, "Medusa/EAGLE heads: the --workdir of a train_heads.py run (or an export of "
-                    "one). Default: heads/stories260K_<drafter>.")
+flags.DEFINE_enum(
+    "drafter", "none", ["none", "draft_model", "medusa", "eagle"], "Draft source; none = plain AR decoding."
+)
+flags.DEFINE_string(
+    "draft_model", None, "Draft model path/name (default: the target truncated to --draft_layers)."
+)
+flags.DEFINE_integer(
+    "draft_layers", 1, "Layers of the truncated-target draft when --draft_model is not given."
+)
+flags.DEFINE_string(
+    "heads",
+    None,
+    "Medusa/EAGLE heads: the --workdir of a train_heads.py run (or an export of "
+    "one). Default: heads/stories260K_<drafter>.",
+)
 flags.DEFINE_integer("k", 4, "Draft tokens per round (chains; a tree sets it to its depth).")
-flags.DEFINE_string("tree", "", "Draft a tree: a preset (chain4, balanced_2x3, medusa60), 'dynamic:TOP_K,DEPTH,TOTAL' "
-                    "or paths like '0;1;0,0'. Empty: a chain of --k tokens.")
+flags.DEFINE_string(
+    "tree",
+    "",
+    "Draft a tree: a preset (chain4, balanced_2x3, medusa60), 'dynamic:TOP_K,DEPTH,TOTAL' "
+    "or paths like '0;1;0,0'. Empty: a chain of --k tokens.",
+)
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 
 
@@ -85,15 +100,22 @@ def main(argv):
     runs = [("speculative" if drafter else "ar", report)]
     if drafter and FLAGS.compare_ar:
         runs.append(("ar", decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size)))
-    print("| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for mode, r in runs:
-        print(f"| {mode} | {model.path.name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
-              f"| {r.run_s:.3f} | {r.tokens_per_s:.1f} |")
+        print(
+            f"| {mode} | {model.path.name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
+            f"| {r.run_s:.3f} | {r.tokens_per_s:.1f} |"
+        )
     if drafter:
         stats = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *report.stats)  # add up the batches
         m = summarize(stats)
-        print(f"\nK={drafter.k}: tau {m['tau']:.2f} tokens/pass, draft efficiency {m['draft_efficiency']:.2f}, "
-              f"alpha_i {np.round(m['alpha'], 2).tolist()}, accepted histogram {m['hist'].tolist()}")
+        print(
+            f"\nK={drafter.k}: tau {m['tau']:.2f} tokens/pass, draft efficiency {m['draft_efficiency']:.2f}, "
+            f"alpha_i {np.round(m['alpha'], 2).tolist()}, accepted histogram {m['hist'].tolist()}"
+        )
         if FLAGS.compare_ar:
             print(f"speedup over AR: {speedup(runs[1][1].run_s, report.run_s):.2f}x")
 

@@ -17,9 +17,12 @@ from ml_collections import config_flags
 
 from specjax.training.trainer import train
 
-config_flags.DEFINE_config_file("config", None, "configs/medusa.py or configs/eagle.py, optionally ':smoke'",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "checkpoints, heads.json, metrics.jsonl and TensorBoard events go here")
+config_flags.DEFINE_config_file(
+    "config", None, "configs/medusa.py or configs/eagle.py, optionally ':smoke'", lock_config=True
+)
+flags.DEFINE_string(
+    "workdir", None, "checkpoints, heads.json, metrics.jsonl and TensorBoard events go here"
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -1,8 +1,8 @@
 r"""Medusa heads for stories260K (self-distilled corpus, features computed online by the frozen target).
 
-    python -m specjax.convert stories260K checkpoints/stories260K   # once: the target as an Orbax checkpoint
-    python train_heads.py --config=configs/medusa.py --workdir=checkpoints/medusa_stories260K
-    python train_heads.py --config=configs/medusa.py:smoke --workdir=/tmp/medusa_smoke   # seconds
+python -m specjax.convert stories260K checkpoints/stories260K   # once: the target as an Orbax checkpoint
+python train_heads.py --config=configs/medusa.py --workdir=checkpoints/medusa_stories260K
+python train_heads.py --config=configs/medusa.py:smoke --workdir=/tmp/medusa_smoke   # seconds
 """
 
 from specjax.training.config import base_config, smoke

@@ -1,6 +1,7 @@
 """specjax AR decoding vs transformers' PyTorch `generate` on identical weights (batch 1, greedy, float32).
 
-    .venv/bin/python -m experiments.bench_ar [--repeats=5] [--new_tokens=128] [--models=stories260K,llama-15M,llama-110M]
+    .venv/bin/python -m experiments.bench_ar [--repeats=5] [--new_tokens=128] \
+        [--models=stories260K,llama-15M,llama-110M]
 
 The two systems take turns (`interleaved_medians`), so the machine's drift hits both alike.
 Writes results/bench_ar.{md,csv}. The bandwidth floor is (weight bytes + KV-cache bytes read) per token
@@ -40,20 +41,29 @@ def bench(name: str, model_dir: Path, bandwidth: float) -> dict:
     ids = torch.tensor([prompt])
     gen = lambda: peer.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        theirs = gen()[0, len(prompt):].numpy()
-        t = interleaved_medians({"jax": lambda: run([prompt]).tokens.block_until_ready(), "torch": gen},
-                                FLAGS.repeats)
+        theirs = gen()[0, len(prompt) :].numpy()
+        t = interleaved_medians(
+            {"jax": lambda: run([prompt]).tokens.block_until_ready(), "torch": gen}, FLAGS.repeats
+        )
     jax_s, torch_s = t["jax"], t["torch"]
 
     cfg = model.cfg
     cache_slots = spec.cache_size or (-(-(8 * -(-len(prompt) // 8) + n) // 64) * 64)
-    cache_bytes = 2 * cfg.n_layers * cache_slots * cfg.n_kv_heads * cfg.head_dim * 4  # the whole static cache is read
+    cache_bytes = (
+        2 * cfg.n_layers * cache_slots * cfg.n_kv_heads * cfg.head_dim * 4
+    )  # the whole static cache is read
     floor_s = (cfg.num_params * 4 + cache_bytes) / (bandwidth * 1e9)
     ms = 1e3 * jax_s / n
     return {
-        "model": name, "params": f"{cfg.num_params / 1e6:.2f}M", "same tokens": bool((ours == theirs).all()),
-        "compile s": compile_s, "specjax ms/tok": ms, "torch ms/tok": 1e3 * torch_s / n,
-        "speedup": torch_s / jax_s, "floor ms/tok": 1e3 * floor_s, "of floor": floor_s / (jax_s / n),
+        "model": name,
+        "params": f"{cfg.num_params / 1e6:.2f}M",
+        "same tokens": bool((ours == theirs).all()),
+        "compile s": compile_s,
+        "specjax ms/tok": ms,
+        "torch ms/tok": 1e3 * torch_s / n,
+        "speedup": torch_s / jax_s,
+        "floor ms/tok": 1e3 * floor_s,
+        "of floor": floor_s / (jax_s / n),
     }
 
 
@@ -70,12 +80,17 @@ def main(argv):
             else:
                 path = Path(tmp) / name
                 random_hf_model(SHAPES[name], path)
-                for f in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: ids are given directly
+                for f in (
+                    "tokenizer.json",
+                    "tokenizer_config.json",
+                ):  # any tokenizer: ids are given directly
                     shutil.copy(load_model().path / f, path)
             rows.append(bench(name, path, bandwidth))
             print(rows[-1], flush=True)
-    title = (f"AR decoding, batch 1, {FLAGS.new_tokens} new tokens, greedy, float32, median of {FLAGS.repeats}; "
-             f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")
+    title = (
+        f"AR decoding, batch 1, {FLAGS.new_tokens} new tokens, greedy, float32, median of {FLAGS.repeats}; "
+        f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s"
+    )
     print(write_table("bench_ar", rows, title))
 
 

@@ -23,7 +23,9 @@ from specjax.training.losses import medusa_loss, target_features
 from specjax.trees import DynamicTree, medusa_like
 
 REPO = Path(__file__).resolve().parents[1]
-flags.DEFINE_string("medusa", str(REPO / "heads/stories260K_medusa"), "Medusa heads (train_heads.py workdir).")
+flags.DEFINE_string(
+    "medusa", str(REPO / "heads/stories260K_medusa"), "Medusa heads (train_heads.py workdir)."
+)
 flags.DEFINE_string("eagle", str(REPO / "heads/stories260K_eagle"), "EAGLE head (train_heads.py workdir).")
 flags.DEFINE_integer("draft_layers", 2, "Layers of the truncated-target draft model (stories260K has 5).")
 flags.DEFINE_integer("repeats", 3, "Timed runs per configuration (median).")
@@ -31,19 +33,42 @@ flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 FLAGS = flags.FLAGS
 
-PROMPTS = ["Once upon a time", "Once upon a time, there was a little girl named", "Tom and his dog went to the",
-           "Lily wanted to", "One day, a big bear", "The sun was hot and the", "Sam had a red ball.",
-           "There was a small bird who", "Mom said, \"", "Ben and Mia were best friends.", "The cat saw a",
-           "In the park, the children", "A little boy found a", "It was a rainy day and", "The old tree",
-           "Sue liked to play with her", "Once there was a fish named", "Max was very happy because",
-           "The girl looked at the sky and", "At night, the moon"]
+PROMPTS = [
+    "Once upon a time",
+    "Once upon a time, there was a little girl named",
+    "Tom and his dog went to the",
+    "Lily wanted to",
+    "One day, a big bear",
+    "The sun was hot and the",
+    "Sam had a red ball.",
+    "There was a small bird who",
+    'Mom said, "',
+    "Ben and Mia were best friends.",
+    "The cat saw a",
+    "In the park, the children",
+    "A little boy found a",
+    "It was a rainy day and",
+    "The old tree",
+    "Sue liked to play with her",
+    "Once there was a fish named",
+    "Max was very happy because",
+    "The girl looked at the sky and",
+    "At night, the moon",
+]
 
 
 def medusa_accuracy(target, meta, graphdef, params, sequences):
     feats = target_features(target.cfg, target.graphdef, target.params, sequences)
     _, metrics = medusa_loss(graphdef, params, feats, sequences, 1.0)
-    return [dict(head=i + 1, predicts=f"t+{i + 2}", top1=float(metrics[f"head{i}_top1"]),
-                 top5=float(metrics[f"head{i}_top5"])) for i in range(meta["shape"]["num_heads"])]
+    return [
+        dict(
+            head=i + 1,
+            predicts=f"t+{i + 2}",
+            top1=float(metrics[f"head{i}_top1"]),
+            top5=float(metrics[f"head{i}_top5"]),
+        )
+        for i in range(meta["shape"]["num_heads"])
+    ]
 
 
 def main(argv):
@@ -53,36 +78,62 @@ def main(argv):
     cfg, graphdef, params = target.cfg, target.graphdef, target.params
     prompts = [target.tokenizer.encode(p) for p in PROMPTS]
     n = FLAGS.new_tokens
-    loaded = {m: heads.load_heads(path, cfg, params) for m, path in (("medusa", FLAGS.medusa), ("eagle", FLAGS.eagle))}
+    loaded = {
+        m: heads.load_heads(path, cfg, params)
+        for m, path in (("medusa", FLAGS.medusa), ("eagle", FLAGS.eagle))
+    }
 
     # Table 1 on the greedy continuations (cut to the shortest prompt + n tokens).
     greedy = generate(cfg, graphdef, params, prompts, GenerateSpec(n, eos_id=None))
     width = min(map(len, prompts)) + n
-    sequences = jnp.asarray([(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)])
+    sequences = jnp.asarray(
+        [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
+    )
     accuracy = medusa_accuracy(target, *loaded["medusa"], sequences)
-    print(write_table("bench_heads_accuracy", accuracy, f"Medusa heads on stories260K: accuracy on the greedy "
-                      f"continuations of {len(prompts)} prompts ({width} tokens each)"))
+    print(
+        write_table(
+            "bench_heads_accuracy",
+            accuracy,
+            f"Medusa heads on stories260K: accuracy on the greedy "
+            f"continuations of {len(prompts)} prompts ({width} tokens each)",
+        )
+    )
 
     n_medusa = loaded["medusa"][0]["shape"]["num_heads"]
     medusa_tree, eagle_tree = medusa_like(32, max_depth=n_medusa), medusa_like(32, max_depth=5)
     dcfg, dgraphdef, dparams = truncated_target(cfg, params, FLAGS.draft_layers)
-    configs = [(f"draft model ({FLAGS.draft_layers} layers)", "chain K=4", None, None),
-               (f"draft model ({FLAGS.draft_layers} layers)", "dynamic 4,5,24", None, DynamicTree(4, 5, 24)),
-               ("medusa", f"chain K={n_medusa}", "medusa", None),
-               ("medusa", f"static {medusa_tree.size - 1} nodes", "medusa", medusa_tree),
-               ("eagle", "chain K=5", "eagle", None),
-               ("eagle", f"static {eagle_tree.size - 1} nodes", "eagle", eagle_tree),
-               ("eagle", "dynamic 4,5,24", "eagle", DynamicTree(4, 5, 24)),
-               ("eagle", "dynamic 8,6,48", "eagle", DynamicTree(8, 6, 48))]
+    configs = [
+        (f"draft model ({FLAGS.draft_layers} layers)", "chain K=4", None, None),
+        (f"draft model ({FLAGS.draft_layers} layers)", "dynamic 4,5,24", None, DynamicTree(4, 5, 24)),
+        ("medusa", f"chain K={n_medusa}", "medusa", None),
+        ("medusa", f"static {medusa_tree.size - 1} nodes", "medusa", medusa_tree),
+        ("eagle", "chain K=5", "eagle", None),
+        ("eagle", f"static {eagle_tree.size - 1} nodes", "eagle", eagle_tree),
+        ("eagle", "dynamic 4,5,24", "eagle", DynamicTree(4, 5, 24)),
+        ("eagle", "dynamic 8,6,48", "eagle", DynamicTree(8, 6, 48)),
+    ]
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         sampler = Sampler(temperature)
         spec = GenerateSpec(n, sampler, eos_id=None)
         ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
-        rows.append(dict(drafter="none (AR)", draft="-", T=temperature, tau=1.0, draft_eff=float("nan"),
-                         tok_s=len(prompts) * n / ar_s, speedup=1.0))
+        rows.append(
+            dict(
+                drafter="none (AR)",
+                draft="-",
+                T=temperature,
+                tau=1.0,
+                draft_eff=float("nan"),
+                tok_s=len(prompts) * n / ar_s,
+                speedup=1.0,
+            )
+        )
         for name, shape, method, tree in configs:
-            k = (n_medusa if method == "medusa" else 4 if method is None else 5) if tree is None else tree.depth
+            k = (
+                (n_medusa if method == "medusa" else 4 if method is None else 5)
+                if tree is None
+                else tree.depth
+            )
             if method is None:
                 drafter, dp = DraftModel(dcfg, dgraphdef, k, sampler, tree), dparams
             else:
@@ -94,11 +145,22 @@ def main(argv):
             passes = sum(int(s.row_rounds.sum()) for s in stats)
             accepted = sum(int((s.accepted_hist * np.arange(k + 1)).sum()) for s in stats)
             drafted = passes * k  # draft tokens on the accepted chain or path per round
-            rows.append(dict(drafter=name, draft=shape, T=temperature, tau=emitted / passes,
-                             draft_eff=accepted / drafted, tok_s=len(prompts) * n / spec_s, speedup=ar_s / spec_s))
+            rows.append(
+                dict(
+                    drafter=name,
+                    draft=shape,
+                    T=temperature,
+                    tau=emitted / passes,
+                    draft_eff=accepted / drafted,
+                    tok_s=len(prompts) * n / spec_s,
+                    speedup=ar_s / spec_s,
+                )
+            )
             print(rows[-1], flush=True)
-    title = (f"Drafting heads vs a draft model on stories260K: batch 1, {len(prompts)} prompts x {n} new tokens, "
-             f"float32, CPU, medians of {FLAGS.repeats}; draft_eff = accepted / (rounds x depth)")
+    title = (
+        f"Drafting heads vs a draft model on stories260K: batch 1, {len(prompts)} prompts x {n} new tokens, "
+        f"float32, CPU, medians of {FLAGS.repeats}; draft_eff = accepted / (rounds x depth)"
+    )
     print(write_table("bench_heads_decode", rows, title))
 
 

@@ -28,8 +28,14 @@ import torch
 import transformers
 from absl import app, flags, logging
 
-from experiments.common import (SHAPES, interleaved_times, median_time, per_call_loop, random_hf_model,
-                                write_table)
+from experiments.common import (
+    SHAPES,
+    interleaved_times,
+    median_time,
+    per_call_loop,
+    random_hf_model,
+    write_table,
+)
 from specjax.analysis import expected_speedup
 from specjax.decode import GenerateSpec, compile_decode, prepare_speculative
 from specjax.drafters.draft_model import DraftModel
@@ -40,18 +46,25 @@ from specjax.models.weights import params_from_hf, read_safetensors
 from specjax.sampling import Sampler
 
 flags.DEFINE_list("models", ["stories260K", "llama-110M"], "Targets.")
-flags.DEFINE_list("drafts", ["self", "truncated", "random"], "Draft models: the target itself, its first layers, "
-                  "a small random model.")
+flags.DEFINE_list(
+    "drafts",
+    ["self", "truncated", "random"],
+    "Draft models: the target itself, its first layers, a small random model.",
+)
 flags.DEFINE_list("ks", ["2", "4", "8"], "Draft lengths K.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 flags.DEFINE_integer("repeats", 21, "Timed runs of each specjax function per configuration (median).")
-flags.DEFINE_integer("hf_repeats", 5, "Timed runs of each transformers generation per configuration (median).")
+flags.DEFINE_integer(
+    "hf_repeats", 5, "Timed runs of each transformers generation per configuration (median)."
+)
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_bool("hf", True, "Also time transformers' assisted generation.")
 FLAGS = flags.FLAGS
 PROMPT = "Once upon a time, there was a little"
-RANDOM_DRAFT = {"stories260K": dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512),
-                "llama-110M": SHAPES["llama-15M"]}
+RANDOM_DRAFT = {
+    "stories260K": dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512),
+    "llama-110M": SHAPES["llama-15M"],
+}
 TRUNCATED_LAYERS = {"stories260K": 2, "llama-110M": 2}
 CALLS = 32  # model calls per timed loop
 
@@ -87,8 +100,12 @@ def hf_generate_seconds(target, assistant, ids, n, k, temperature):
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     if assistant is not None:
-        kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                      assistant_confidence_threshold=0.0)
+        kwargs.update(
+            assistant_model=assistant,
+            num_assistant_tokens=k,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
     with torch.inference_mode():
         return median_time(lambda: target.generate(ids, **kwargs), FLAGS.hf_repeats)
 
@@ -106,45 +123,94 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
         ar_run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec)
         ar_s = median_time(lambda: jax.block_until_ready(ar_run([prompt])), FLAGS.repeats)
         hf_ar_s = hf_generate_seconds(hf_target, None, ids, n, 0, temperature) if FLAGS.hf else np.nan
-        rows.append(dict(target=name, draft="none (AR)", K=0, T=temperature, tau=1.0, draft_eff=np.nan,
-                         tok_s=n / ar_s, speedup=1.0, loop_eff=np.nan, loop_eff_min=np.nan, analytic=1.0,
-                         hf_tok_s=n / hf_ar_s, hf_speedup=1.0))
+        rows.append(
+            dict(
+                target=name,
+                draft="none (AR)",
+                K=0,
+                T=temperature,
+                tau=1.0,
+                draft_eff=np.nan,
+                tok_s=n / ar_s,
+                speedup=1.0,
+                loop_eff=np.nan,
+                loop_eff_min=np.nan,
+                analytic=1.0,
+                hf_tok_s=n / hf_ar_s,
+                hf_speedup=1.0,
+            )
+        )
         for draft_name, draft_dir in drafts(name, target_dir, tmp).items():
             if draft_name == "self":  # the target's own buffers, not a copy: one weight set in the caches
                 dcfg, dgraphdef, dparams, hf_draft = cfg, target.graphdef, target.params, hf_target
             else:
                 dcfg, dgraphdef, dparams = hf_dir_to_specjax(draft_dir)
-                hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval() if FLAGS.hf else None
+                hf_draft = (
+                    transformers.AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+                    if FLAGS.hf
+                    else None
+                )
             for k in map(int, FLAGS.ks):
                 drafter = DraftModel(dcfg, dgraphdef, k, sampler)
-                run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams)
+                run, _ = compile_decode(
+                    cfg, target.graphdef, target.params, [prompt], spec, drafter, dparams
+                )
                 m = summarize(jax.block_until_ready(run([prompt])).stats)
                 # round time without the fixed cost (prefills, first token): a run of max_new_tokens=1 (same cache
                 # size: prefill time grows with it) has no round
                 size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
-                fixed, _ = compile_decode(cfg, target.graphdef, target.params, [prompt],
-                                          GenerateSpec(1, sampler, size, eos_id=None), drafter, dparams)
-                t = {part: np.array(v) for part, v in interleaved_times({
-                    "ar": lambda: jax.block_until_ready(ar_run([prompt])),
-                    "spec": lambda: jax.block_until_ready(run([prompt])),
-                    "fixed": lambda: jax.block_until_ready(fixed([prompt])),
-                    "step": per_call_loop(dcfg, dgraphdef, dparams, 1, size, CALLS),
-                    "reread": per_call_loop(dcfg, dgraphdef, dparams, 2, size, CALLS),
-                    "verify": per_call_loop(cfg, target.graphdef, target.params, k + 1, size, CALLS),
-                    "target_step": per_call_loop(cfg, target.graphdef, target.params, 1, size, CALLS),
-                }, FLAGS.repeats).items()}  # ratios below are taken within each repetition, then their median
+                fixed, _ = compile_decode(
+                    cfg,
+                    target.graphdef,
+                    target.params,
+                    [prompt],
+                    GenerateSpec(1, sampler, size, eos_id=None),
+                    drafter,
+                    dparams,
+                )
+                t = {
+                    part: np.array(v)
+                    for part, v in interleaved_times(
+                        {
+                            "ar": lambda: jax.block_until_ready(ar_run([prompt])),
+                            "spec": lambda: jax.block_until_ready(run([prompt])),
+                            "fixed": lambda: jax.block_until_ready(fixed([prompt])),
+                            "step": per_call_loop(dcfg, dgraphdef, dparams, 1, size, CALLS),
+                            "reread": per_call_loop(dcfg, dgraphdef, dparams, 2, size, CALLS),
+                            "verify": per_call_loop(
+                                cfg, target.graphdef, target.params, k + 1, size, CALLS
+                            ),
+                            "target_step": per_call_loop(
+                                cfg, target.graphdef, target.params, 1, size, CALLS
+                            ),
+                        },
+                        FLAGS.repeats,
+                    ).items()
+                }  # ratios below are taken within each repetition, then their median
                 round_s = (t["spec"] - t["fixed"]) / m["rounds"]
                 draft_s = ((k - 1) * t["step"] + t["reread"]) / CALLS
                 c = np.median(t["step"] / t["target_step"])
                 a = float(np.nanmean(m["alpha"]))  # i.i.d. acceptance rate of the analytical model
-                hf_s = hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
-                rows.append(dict(target=name, draft=draft_name, K=k, T=temperature, tau=m["tau"],
-                                 draft_eff=m["draft_efficiency"], tok_s=n / np.median(t["spec"]),
-                                 speedup=np.median(t["ar"] / t["spec"]),
-                                 loop_eff=np.median(loop_efficiency(draft_s, t["verify"] / CALLS, round_s)),
-                                 loop_eff_min=np.min(draft_s + t["verify"] / CALLS) / np.min(round_s),
-                                 analytic=expected_speedup(a, k, c),
-                                 hf_tok_s=n / hf_s, hf_speedup=hf_ar_s / hf_s))
+                hf_s = (
+                    hf_generate_seconds(hf_target, hf_draft, ids, n, k, temperature) if FLAGS.hf else np.nan
+                )
+                rows.append(
+                    dict(
+                        target=name,
+                        draft=draft_name,
+                        K=k,
+                        T=temperature,
+                        tau=m["tau"],
+                        draft_eff=m["draft_efficiency"],
+                        tok_s=n / np.median(t["spec"]),
+                        speedup=np.median(t["ar"] / t["spec"]),
+                        loop_eff=np.median(loop_efficiency(draft_s, t["verify"] / CALLS, round_s)),
+                        loop_eff_min=np.min(draft_s + t["verify"] / CALLS) / np.min(round_s),
+                        analytic=expected_speedup(a, k, c),
+                        hf_tok_s=n / hf_s,
+                        hf_speedup=hf_ar_s / hf_s,
+                    )
+                )
                 print(rows[-1], flush=True)
     return rows
 
@@ -166,9 +232,11 @@ def main(argv):
                     shutil.copy(load_model().path / f, path)
             (tmp / name).mkdir(exist_ok=True)
             rows += bench_target(name, path, tmp / name)
-    title = (f"Speculative decoding (draft model) vs AR, batch 1, {FLAGS.new_tokens} new tokens, float32, medians of "
-             f"{FLAGS.repeats} (transformers {FLAGS.hf_repeats}); hf = transformers {transformers.__version__} "
-             "assisted generation vs its own generate")
+    title = (
+        f"Speculative decoding (draft model) vs AR, batch 1, {FLAGS.new_tokens} new tokens, float32, medians of "
+        f"{FLAGS.repeats} (transformers {FLAGS.hf_repeats}); hf = transformers {transformers.__version__} "
+        "assisted generation vs its own generate"
+    )
     print(write_table("bench_spec", rows, title))
 
 

@@ -21,9 +21,15 @@ flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 FLAGS = flags.FLAGS
 PROMPTS = ["Once upon a time, there was a little", "Tom and his dog went to the", "Lily wanted to"]
-TREES = [("chain K=4", None), ("chain4 (as tree)", PRESETS["chain4"]), ("balanced_2x3", PRESETS["balanced_2x3"]),
-         ("medusa60", PRESETS["medusa60"]), ("dynamic 2,4,8", DynamicTree(2, 4, 8)),
-         ("dynamic 4,4,16", DynamicTree(4, 4, 16)), ("dynamic 4,5,32", DynamicTree(4, 5, 32))]
+TREES = [
+    ("chain K=4", None),
+    ("chain4 (as tree)", PRESETS["chain4"]),
+    ("balanced_2x3", PRESETS["balanced_2x3"]),
+    ("medusa60", PRESETS["medusa60"]),
+    ("dynamic 2,4,8", DynamicTree(2, 4, 8)),
+    ("dynamic 4,4,16", DynamicTree(4, 4, 16)),
+    ("dynamic 4,5,32", DynamicTree(4, 5, 32)),
+]
 
 
 def main(argv):
@@ -38,22 +44,44 @@ def main(argv):
     for temperature in map(float, FLAGS.temperatures):
         spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
         ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
-        rows.append(dict(tree="none (AR)", nodes=1, T=temperature, tau=1.0, verify_cost=1.0, tok_s=len(prompts) * n / ar_s,
-                         speedup=1.0))
+        rows.append(
+            dict(
+                tree="none (AR)",
+                nodes=1,
+                T=temperature,
+                tau=1.0,
+                verify_cost=1.0,
+                tok_s=len(prompts) * n / ar_s,
+                speedup=1.0,
+            )
+        )
         for name, tree in TREES:
             k = 4 if tree is None else tree.depth
             drafter = DraftModel(dcfg, dgraphdef, k, Sampler(temperature), tree)
-            spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dparams)
+            spec_s, stats = decode_seconds(
+                cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dparams
+            )
             emitted = sum(int(s.emitted.sum()) for s in stats)
             passes = sum(int(s.row_rounds.sum()) for s in stats)
             nodes = k + 1 if tree is None else tree.size
             verify = per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
-            rows.append(dict(tree=name, nodes=nodes, T=temperature, tau=emitted / passes, verify_cost=verify,
-                             tok_s=len(prompts) * n / spec_s, speedup=ar_s / spec_s))
+            rows.append(
+                dict(
+                    tree=name,
+                    nodes=nodes,
+                    T=temperature,
+                    tau=emitted / passes,
+                    verify_cost=verify,
+                    tok_s=len(prompts) * n / spec_s,
+                    speedup=ar_s / spec_s,
+                )
+            )
             print(rows[-1], flush=True)
-    title = (f"Trees on stories260K, draft = target truncated to {FLAGS.draft_layers} layers, batch 1, {n} new tokens "
-             f"x {len(prompts)} prompts, float32, medians of {FLAGS.repeats}; verify_cost = target pass over `nodes` "
-             "tokens / 1-token pass")
+    title = (
+        f"Trees on stories260K, draft = target truncated to {FLAGS.draft_layers} layers, batch 1, {n} new tokens "
+        f"x {len(prompts)} prompts, float32, medians of {FLAGS.repeats}; verify_cost = target pass over `nodes` "
+        "tokens / 1-token pass"
+    )
     print(write_table("bench_trees", rows, title))
 
 

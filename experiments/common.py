@@ -85,6 +85,7 @@ def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 3
     the previous call's logits (a true chain, as in decoding, through their max: no argmax or sampling cost
     is counted); batch 1, cache of `cache_size`. The positions depend on the tokens, as in decoding, so that XLA
     cannot hoist their work out of the loop. Time it and divide by `calls` for one model call."""
+
     @jax.jit
     def loop(params, cache):
         def body(_, carry):
@@ -92,13 +93,16 @@ def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 3
             positions = cache.length[:, None] + jnp.arange(t)[None] + (tokens > 10**9)  # + 0
             logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
             return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), cache
+
         return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
 
     cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
     return lambda: loop(params, cache).block_until_ready()
 
 
-def per_call_seconds(cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32) -> float:
+def per_call_seconds(
+    cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32
+) -> float:
     """Median time of one forward of `t` tokens (see `per_call_loop`)."""
     return median_time(per_call_loop(cfg, graphdef, params, t, cache_size, calls), repeats) / calls
 

@@ -65,6 +65,7 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
 
 # --- trees ------------------------------------------------------------------------------------------
 
+
 def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
     """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
 
@@ -76,7 +77,9 @@ def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
     for _ in range(layout.ancestors.shape[-1]):  # a node is kept only if its whole path matches
         ok = ok & jnp.take_along_axis(ok, layout.parent, axis=1)
     n_nodes = ok.shape[1]
-    best = jnp.argmax(jnp.where(ok, layout.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1)
+    best = jnp.argmax(
+        jnp.where(ok, layout.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1
+    )
     rows = jnp.arange(draft_BN.shape[0])
     return layout.depth[rows, best], target[rows, best], layout.ancestors[rows, best]
 

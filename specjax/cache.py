@@ -20,7 +20,9 @@ class KVCache:
     as it is; XLA would copy a reshaped one)."""
 
     k: tuple[jax.Array, ...]  # per layer [B * kv_heads, S, head_dim]
-    v: tuple[jax.Array, ...]  # per layer [B * kv_heads, head_dim, S]: S last, so attention reads it untransposed
+    v: tuple[
+        jax.Array, ...
+    ]  # per layer [B * kv_heads, head_dim, S]: S last, so attention reads it untransposed
     length: jax.Array  # [B] int32: committed slots per row
 
     @classmethod
@@ -38,24 +40,26 @@ class KVCache:
         heads = self.k[0].shape[0] // self.length.shape[0]
         return jnp.arange(self.k[0].shape[0])[:, None], jnp.repeat(slots_BN, heads, axis=0)
 
-    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, offset: int = 0) -> "KVCache":
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, offset: int = 0) -> KVCache:
         """Writes `[B, kv_heads, T, head_dim]` keys/values of `layer` at slots `length + offset + [0, T)`."""
         batch, heads, t, hd = k_new.shape
         rows, slots = self._head_rows(self.length[:, None] + offset + jnp.arange(t)[None, :])
         k, v = list(self.k), list(self.v)
         k[layer] = k[layer].at[rows, slots].set(k_new.reshape(batch * heads, t, hd).astype(k[layer].dtype))
-        v[layer] = v[layer].at[rows, :, slots].set(v_new.reshape(batch * heads, t, hd).astype(v[layer].dtype))
+        v[layer] = (
+            v[layer].at[rows, :, slots].set(v_new.reshape(batch * heads, t, hd).astype(v[layer].dtype))
+        )
         return self.replace(k=tuple(k), v=tuple(v))
 
-    def advance(self, n: jax.Array | int) -> "KVCache":
+    def advance(self, n: jax.Array | int) -> KVCache:
         """Commits the next `n` (per row, or scalar) written slots."""
         return self.replace(length=self.length + n)
 
-    def with_length(self, length: jax.Array) -> "KVCache":
+    def with_length(self, length: jax.Array) -> KVCache:
         """Sets the committed length: rolling back is forgetting slots beyond it."""
         return self.replace(length=jnp.broadcast_to(length, self.length.shape).astype(jnp.int32))
 
-    def compact(self, keep: jax.Array, n_keep: jax.Array) -> "KVCache":
+    def compact(self, keep: jax.Array, n_keep: jax.Array) -> KVCache:
         """Commits a chosen subset of the last written tokens, in order.
 
         `keep[B, M]` holds indices into the T tokens written after `length` (e.g. an accepted tree

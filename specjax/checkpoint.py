@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 from flax import nnx
@@ -51,11 +51,16 @@ def read_config(path: Path) -> LlamaConfig:
             config["rope_llama3_scaling"] = tuple(config["rope_llama3_scaling"])
         return LlamaConfig(**config)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path / MARKER} is missing or corrupt ({err}); re-run specjax.convert") from err
+        raise CheckpointError(
+            f"{path / MARKER} is missing or corrupt ({err}); re-run specjax.convert"
+        ) from err
 
 
-def restore_model(path: str | Path, dtype: str | None = None,
-                  sharding: Callable[[jax.ShapeDtypeStruct], jax.sharding.Sharding] | None = None):
+def restore_model(
+    path: str | Path,
+    dtype: str | None = None,
+    sharding: Callable[[jax.ShapeDtypeStruct], jax.sharding.Sharding] | None = None,
+):
     """(config, graphdef, params) from a specjax checkpoint, each array placed by `sharding(shape)`."""
     import orbax.checkpoint as ocp
 
@@ -66,12 +71,15 @@ def restore_model(path: str | Path, dtype: str | None = None,
     graphdef, abstract = abstract_model(cfg)
     target = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(s) if sharding else None),
-        nnx.to_pure_dict(abstract))
+        nnx.to_pure_dict(abstract),
+    )
     try:
         with ocp.StandardCheckpointer() as ckptr:
             pure = ckptr.restore(path / "params", target)
     except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
-        raise CheckpointError(f"cannot restore parameters from {path / 'params'} ({type(err).__name__}: "
-                              f"{str(err)[:300]}); the checkpoint is missing or corrupt: re-run specjax.convert") from err
+        raise CheckpointError(
+            f"cannot restore parameters from {path / 'params'} ({type(err).__name__}: "
+            f"{str(err)[:300]}); the checkpoint is missing or corrupt: re-run specjax.convert"
+        ) from err
     nnx.replace_by_pure_dict(abstract, pure)
     return cfg, graphdef, abstract

@@ -1,6 +1,6 @@
 """Converts a model (HF directory, llama2.c file, hub id or 'stories260K') into a specjax Orbax checkpoint.
 
-    python -m specjax.convert SRC DST [--dtype=float32]
+python -m specjax.convert SRC DST [--dtype=float32]
 """
 
 from absl import app, flags
@@ -8,7 +8,9 @@ from absl import app, flags
 from specjax.checkpoint import save_model
 from specjax.models.loading import load_model, tokenizer_files
 
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype of the checkpoint.")
+flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype of the checkpoint."
+)
 
 
 def main(argv):

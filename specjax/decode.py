@@ -59,12 +59,16 @@ def cache_size_for(cfg: LlamaConfig, prompt_width: int, new_tokens: int, request
     """Cache slots for a job, checked against the model's context; raises before any compile."""
     need = prompt_width + new_tokens
     if need > cfg.max_seq_len:
-        raise ValueError(f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} exceeds the "
-                         f"model's context of {cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
+        raise ValueError(
+            f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} exceeds the "
+            f"model's context of {cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
+        )
     if requested:
         if need > requested:
-            raise ValueError(f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} does not "
-                             f"fit the KV cache of {requested} slots; raise cache_size or shorten the job")
+            raise ValueError(
+                f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} does not "
+                f"fit the KV cache of {requested} slots; raise cache_size or shorten the job"
+            )
         return requested
     return -(-need // CACHE_BUCKET) * CACHE_BUCKET
 
@@ -113,19 +117,24 @@ def prepare(cfg: LlamaConfig, prompts: list[list[int]], spec: GenerateSpec, buck
         raise ValueError(f"max_new_tokens must be >= 1, got {spec.max_new_tokens}")
     tokens, lengths = pad_prompts(prompts, bucket)
     if tokens.max() >= cfg.vocab_size or tokens.min() < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), the model's vocabulary; got "
-                         f"{int(tokens.min())}..{int(tokens.max())}: the tokenizer does not belong to this model")
+        raise ValueError(
+            f"prompt token ids must lie in [0, {cfg.vocab_size}), the model's vocabulary; got "
+            f"{int(tokens.min())}..{int(tokens.max())}: the tokenizer does not belong to this model"
+        )
     size = cache_size_for(cfg, tokens.shape[1], spec.max_new_tokens, spec.cache_size)
     return tokens, lengths, dataclasses.replace(spec, cache_size=size)
 
 
-def generate(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec: GenerateSpec, seed: int = 0):
+def generate(
+    cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec: GenerateSpec, seed: int = 0
+):
     """Decodes a batch of token-id prompts (different lengths allowed) in one compiled call."""
     tokens, lengths, spec = prepare(cfg, prompts, spec)
     return _generate(cfg, graphdef, params, tokens, lengths, job_key(seed), spec)
 
 
 # --- speculative decoding ----------------------------------------------------------------------
+
 
 @struct.dataclass
 class SpecStats:
@@ -156,7 +165,9 @@ class SpecGeneration:
 
 @struct.dataclass
 class _Loop:
-    seq: jax.Array  # [B, W] prompt + emitted tokens; the last of each row is pending (not in the target cache)
+    seq: (
+        jax.Array
+    )  # [B, W] prompt + emitted tokens; the last of each row is pending (not in the target cache)
     n_tokens: jax.Array  # [B]
     done: jax.Array  # [B]
     cache: object
@@ -174,7 +185,9 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
     layout = draft.layout
     if layout is None:
         positions = cache.length[:, None] + jnp.arange(tokens.shape[1])[None]
-        logits, hidden, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1]))
+        logits, hidden, cache = forward(
+            graphdef, params, tokens, positions, cache, causal_mask(tokens.shape[1])
+        )
         if sampler.greedy:
             n_acc, nxt = greedy_chain(draft.tokens, logits)
         else:
@@ -185,22 +198,28 @@ def verify(cfg, graphdef, params, sampler: Sampler, draft, pending_B, cache, key
     if sampler.greedy:
         n_acc, nxt, path = greedy_tree(layout, draft.tokens, logits)
     else:
-        n_acc, nxt, path = tree_sampling(key, layout, draft.tokens, draft.q_probs, sampler.probs(logits),
-                                         draft.without_replacement)
+        n_acc, nxt, path = tree_sampling(
+            key, layout, draft.tokens, draft.q_probs, sampler.probs(logits), draft.without_replacement
+        )
     keep = jnp.pad(path, ((0, 0), (1, 0)))  # the root, then the accepted path
     feats = jnp.take_along_axis(hidden.final, keep[:, :, None], axis=1)
     return n_acc, nxt, jnp.take_along_axis(tokens, path, axis=1), path, feats, cache
 
 
-def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B, keys):
+def spec_round(
+    cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpec, loop: _Loop, limit_B, keys
+):
     """One round: draft -> verify in one target pass -> accept -> commit. Rows that are done stay put.
     `keys` [max rounds, 2]: the drafter's and the acceptance rule's key of each round."""
     k = drafter.k  # most draft tokens one round can accept: the chain length or the tree depth
     k_draft, k_accept = keys[loop.stats.rounds]
-    draft, drafter_state = drafter.propose(drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft)
+    draft, drafter_state = drafter.propose(
+        drafter_params, loop.drafter_state, loop.seq, loop.n_tokens, k_draft
+    )
     pending = jnp.take_along_axis(loop.seq, (loop.n_tokens - 1)[:, None], axis=1)[:, 0]
-    n_acc, nxt, accepted, path, feats, cache = verify(cfg, graphdef, params, spec.sampler, draft, pending,
-                                                      loop.cache, k_accept)
+    n_acc, nxt, accepted, path, feats, cache = verify(
+        cfg, graphdef, params, spec.sampler, draft, pending, loop.cache, k_accept
+    )
     active = ~loop.done
     if path is None:  # chain: the accepted tokens already sit right after the committed region
         cache = cache.with_length(jnp.where(active, loop.cache.length + n_acc + 1, loop.cache.length))
@@ -214,7 +233,9 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
     n_emit = jnp.minimum(n_acc + 1, jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, k + 1))
     n_emit = jnp.where(loop.done, 0, jnp.minimum(n_emit, limit_B - loop.n_tokens))
     rows = jnp.arange(pending.shape[0])[:, None]
-    write_at = jnp.where(idx < n_emit[:, None], loop.n_tokens[:, None] + idx, loop.seq.shape[1])  # else dropped
+    write_at = jnp.where(
+        idx < n_emit[:, None], loop.n_tokens[:, None] + idx, loop.seq.shape[1]
+    )  # else dropped
     seq = loop.seq.at[rows, write_at].set(emitted, mode="drop")
     n_tokens = loop.n_tokens + n_emit
     drafter_state = drafter.commit(drafter_params, drafter_state, n_acc, n_tokens, path, feats)
@@ -222,14 +243,19 @@ def spec_round(cfg, graphdef, params, drafter, drafter_params, spec: GenerateSpe
     s = loop.stats
     count = active.astype(jnp.int32)
     stats = SpecStats(
-        rounds=s.rounds + 1, row_rounds=s.row_rounds + count, emitted=s.emitted + n_emit,
-        accepted_hist=s.accepted_hist.at[n_acc].add(count))
+        rounds=s.rounds + 1,
+        row_rounds=s.row_rounds + count,
+        emitted=s.emitted + n_emit,
+        accepted_hist=s.accepted_hist.at[n_acc].add(count),
+    )
     done = loop.done | is_eos.any(1) & active | (n_tokens >= limit_B)
     return _Loop(seq, n_tokens, done, cache, drafter_state, stats)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
-def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec: GenerateSpec):
+def _speculative(
+    cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec: GenerateSpec
+):
     batch, width = tokens_BP.shape
     k, n_new = drafter.k, spec.max_new_tokens
     logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
@@ -241,19 +267,29 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
     zeros = jnp.zeros((batch,), jnp.int32)
     stats = SpecStats(jnp.int32(0), zeros, zeros, jnp.zeros((k + 1,), jnp.int32))
     eos = -1 if spec.eos_id is None else spec.eos_id
-    loop = _Loop(seq, lengths_B + 1, (first == eos) | (n_new == 1), cache,
-                 drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats), stats)
+    loop = _Loop(
+        seq,
+        lengths_B + 1,
+        (first == eos) | (n_new == 1),
+        cache,
+        drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats),
+        stats,
+    )
     limit = lengths_B + n_new
     loop = jax.lax.while_loop(
         lambda lp: ~jnp.all(lp.done),
-        lambda lp: spec_round(cfg, graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys), loop)
+        lambda lp: spec_round(cfg, graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys),
+        loop,
+    )
     out = jnp.take_along_axis(loop.seq, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens - lengths_B
     out = jnp.where(jnp.arange(n_new)[None] < n_out[:, None], out, 0)
     return SpecGeneration(out, n_out, loop.stats)
 
 
-def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spec: GenerateSpec, bucket: int = 8):
+def prepare_speculative(
+    cfg: LlamaConfig, drafter, prompts: list[list[int]], spec: GenerateSpec, bucket: int = 8
+):
     """Validates a speculative job before any compile; the cache gets the drafter's per-round slack (K + 1 for a
     chain, the node count for a tree) beyond the prompt and the new tokens."""
     if not isinstance(drafter.k, int) or drafter.k < 1:
@@ -265,22 +301,42 @@ def prepare_speculative(cfg: LlamaConfig, drafter, prompts: list[list[int]], spe
     width, need = tokens.shape[1], tokens.shape[1] + spec.max_new_tokens + verify_slots
     if spec.cache_size and need > spec.cache_size:
         what = f"K={drafter.k}" if tree is None else f"a tree of {tree.size} nodes"
-        raise ValueError(f"{what} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens + "
-                         f"{verify_slots} verification slots = {need} > cache_size {spec.cache_size}; "
-                         "draft less or raise the cache")
+        raise ValueError(
+            f"{what} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens + "
+            f"{verify_slots} verification slots = {need} > cache_size {spec.cache_size}; "
+            "draft less or raise the cache"
+        )
     size = spec.cache_size or -(-need // CACHE_BUCKET) * CACHE_BUCKET
     return tokens, lengths, dataclasses.replace(spec, cache_size=size)
 
 
-def speculative_generate(cfg: LlamaConfig, graphdef, params, drafter, drafter_params, prompts: list[list[int]],
-                         spec: GenerateSpec, seed: int = 0) -> SpecGeneration:
+def speculative_generate(
+    cfg: LlamaConfig,
+    graphdef,
+    params,
+    drafter,
+    drafter_params,
+    prompts: list[list[int]],
+    spec: GenerateSpec,
+    seed: int = 0,
+) -> SpecGeneration:
     """Speculative decoding of a batch of prompts: same output distribution as `generate` (greedy: same tokens)."""
     tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
-    return _speculative(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, job_key(seed), spec)
+    return _speculative(
+        cfg, graphdef, params, drafter, drafter_params, tokens, lengths, job_key(seed), spec
+    )
 
 
-def compile_decode(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]], spec: GenerateSpec,
-                   drafter=None, drafter_params=None, bucket: int = 8):
+def compile_decode(
+    cfg: LlamaConfig,
+    graphdef,
+    params,
+    prompts: list[list[int]],
+    spec: GenerateSpec,
+    drafter=None,
+    drafter_params=None,
+    bucket: int = 8,
+):
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`.
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded width.
@@ -294,8 +350,9 @@ def compile_decode(cfg: LlamaConfig, graphdef, params, prompts: list[list[int]],
         dynamic = dict(params=params, drafter_params=drafter_params)
     tokens, lengths, full_spec = prep(prompts)
     start = time.perf_counter()
-    compiled = fn.lower(**static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0),
-                        spec=full_spec).compile()
+    compiled = fn.lower(
+        **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
+    ).compile()
     compile_s = time.perf_counter() - start
 
     def run(prompts: list[list[int]], seed: int = 0):

@@ -25,8 +25,14 @@ METHODS = ("medusa", "eagle")
 
 def target_signature(cfg: LlamaConfig) -> dict:
     """What a head depends on: heads for targets with a different signature are refused."""
-    return {"vocab_size": cfg.vocab_size, "dim": cfg.dim, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "hidden_dim": cfg.hidden_dim}
+    return {
+        "vocab_size": cfg.vocab_size,
+        "dim": cfg.dim,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_dim": cfg.hidden_dim,
+    }
 
 
 def describe(method: str, shape: dict, target_cfg: LlamaConfig) -> dict:
@@ -45,7 +51,9 @@ def new_heads(meta: dict, target_cfg: LlamaConfig, target_params, seed: int = 0)
 
 def drafter_params(meta: dict, params, target_cfg: LlamaConfig, target_params):
     """What the drafter's functions take: EAGLE reads the target's embedding and LM head beside its own."""
-    return params if meta["method"] == "medusa" else {"head": params, **target_io(target_cfg, target_params)}
+    return (
+        params if meta["method"] == "medusa" else {"head": params, **target_io(target_cfg, target_params)}
+    )
 
 
 def make_drafter(meta: dict, graphdef, target_cfg: LlamaConfig, k: int, sampler, tree=None):
@@ -59,8 +67,10 @@ def write_meta(workdir: Path, meta: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != meta:
-            raise ValueError(f"{workdir} already holds heads {old}, not {meta}: use a new --workdir to train "
-                             "different heads")
+            raise ValueError(
+                f"{workdir} already holds heads {old}, not {meta}: use a new --workdir to train "
+                "different heads"
+            )
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1))
@@ -74,13 +84,19 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
     try:
         meta = json.loads((workdir / META).read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{workdir / META} is missing or corrupt ({err}): pass the --workdir of a "
-                              "train_heads.py run") from err
+        raise CheckpointError(
+            f"{workdir / META} is missing or corrupt ({err}): pass the --workdir of a train_heads.py run"
+        ) from err
     if meta["target"] != target_signature(target_cfg):
-        diff = {k: (v, target_signature(target_cfg)[k]) for k, v in meta["target"].items()
-                if target_signature(target_cfg).get(k) != v}
-        raise ValueError(f"the heads in {workdir} were trained for another target: (heads, this target) differ "
-                         f"in {diff}; train heads for this target")
+        diff = {
+            k: (v, target_signature(target_cfg)[k])
+            for k, v in meta["target"].items()
+            if target_signature(target_cfg).get(k) != v
+        }
+        raise ValueError(
+            f"the heads in {workdir} were trained for another target: (heads, this target) differ "
+            f"in {diff}; train heads for this target"
+        )
     graphdef, fresh = new_heads(meta, target_cfg, target_params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fresh)
     with ocp.CheckpointManager(workdir / "checkpoints") as manager:
@@ -88,11 +104,15 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
         try:
-            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+            restored = manager.restore(
+                step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+            )
         except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
-            raise CheckpointError(f"cannot restore head parameters of step {step} from {workdir / 'checkpoints'} "
-                                  f"({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: "
-                                  "delete that step to fall back to an earlier one, or retrain") from err
+            raise CheckpointError(
+                f"cannot restore head parameters of step {step} from {workdir / 'checkpoints'} "
+                f"({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: "
+                "delete that step to fall back to an earlier one, or retrain"
+            ) from err
     params = restored["params"]
     return meta, graphdef, jax.tree.map(jnp.asarray, params)
 
@@ -108,7 +128,10 @@ def export(workdir: str | Path, dest: str | Path) -> Path:
     if step is None:
         raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(workdir / "checkpoints" / str(step), dest / "checkpoints" / str(step),
-                    ignore=shutil.ignore_patterns("opt_state"))
+    shutil.copytree(
+        workdir / "checkpoints" / str(step),
+        dest / "checkpoints" / str(step),
+        ignore=shutil.ignore_patterns("opt_state"),
+    )
     shutil.copy2(workdir / META, dest / META)
     return dest

@@ -35,18 +35,26 @@ class DecodeReport:
         return self.new_tokens / self.run_s
 
 
-def decode_texts(model: LoadedModel, texts: list[str], spec: GenerateSpec, seed: int = 0, batch_size: int = 8,
-                 drafter=None, drafter_params=None) -> DecodeReport:
+def decode_texts(
+    model: LoadedModel,
+    texts: list[str],
+    spec: GenerateSpec,
+    seed: int = 0,
+    batch_size: int = 8,
+    drafter=None,
+    drafter_params=None,
+) -> DecodeReport:
     """Decodes prompts in batches of `batch_size` with one compiled loop, AR or speculative (with `drafter`).
     Short batches are padded by repeating a prompt; their extra rows are dropped."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = encode_prompts(model.tokenizer, texts)
     size = min(batch_size, len(prompts))
-    batches = [prompts[i: i + size] for i in range(0, len(prompts), size)]
+    batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
     width = max(map(len, prompts))  # one padded width for every batch: one compile
-    run, compile_s = compile_decode(model.cfg, model.graphdef, model.params, batches[0], spec, drafter,
-                                    drafter_params, bucket=width)
+    run, compile_s = compile_decode(
+        model.cfg, model.graphdef, model.params, batches[0], spec, drafter, drafter_params, bucket=width
+    )
     jax.block_until_ready(run(batches[0] + [batches[0][-1]] * (size - len(batches[0])), seed))  # warm-up
     outputs, new_tokens, run_s, stats = [], 0, 0.0, []
     for i, batch in enumerate(batches):
@@ -58,6 +66,6 @@ def decode_texts(model: LoadedModel, texts: list[str], spec: GenerateSpec, seed:
         tokens, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
         for row, prompt in enumerate(batch):
             full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
-            outputs.append(full[len(model.tokenizer.decode(prompt)):])
+            outputs.append(full[len(model.tokenizer.decode(prompt)) :])
             new_tokens += int(lengths[row])
     return DecodeReport(outputs, new_tokens, compile_s, run_s, stats)

@@ -44,7 +44,9 @@ class Sampler:
             sorted_desc = -jnp.sort(-logits, axis=-1)
             cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
             # keep the smallest prefix whose mass reaches top_p: a token is kept if the mass before it < top_p
-            n_keep = jnp.sum(cum - jax.nn.softmax(sorted_desc, axis=-1) < self.top_p, axis=-1, keepdims=True)
+            n_keep = jnp.sum(
+                cum - jax.nn.softmax(sorted_desc, axis=-1) < self.top_p, axis=-1, keepdims=True
+            )
             threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
             logits = jnp.where(logits < threshold, NEG_INF, logits)
         return logits

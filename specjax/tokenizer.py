@@ -68,12 +68,14 @@ class Llama2cTokenizer:
         for _ in range(vocab_size):
             score, n = struct.unpack_from("fi", raw, offset)
             offset += 8
-            self.pieces.append(raw[offset: offset + n])
+            self.pieces.append(raw[offset : offset + n])
             self.scores.append(score)
             offset += n
         if offset != len(raw):
-            raise ValueError(f"tokenizer {path} does not hold exactly {vocab_size} pieces: it does not belong "
-                             "to this model (vocabulary mismatch) or is corrupt")
+            raise ValueError(
+                f"tokenizer {path} does not hold exactly {vocab_size} pieces: it does not belong "
+                "to this model (vocabulary mismatch) or is corrupt"
+            )
         self._ids = {p: i for i, p in enumerate(self.pieces)}
 
     def encode(self, text: str) -> list[int]:
@@ -92,7 +94,7 @@ class Llama2cTokenizer:
             if best is None:
                 return [self.bos_id] + ids
             i, j = best
-            ids[i: i + 2] = [j]
+            ids[i : i + 2] = [j]
 
     def decode(self, ids) -> str:
         out = bytearray()

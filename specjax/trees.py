@@ -39,8 +39,10 @@ class Tree:
             if len(p) > 1 and p[:-1] not in seen:
                 raise TreeError(f"path {list(p)} has no parent: add {list(p[:-1])}")
             if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
-                raise TreeError(f"path {list(p)} skips a sibling: add {list(p[:-1] + (p[-1] - 1,))} "
-                                "(candidate ranks of a node must be 0, 1, 2, ...)")
+                raise TreeError(
+                    f"path {list(p)} skips a sibling: add {list(p[:-1] + (p[-1] - 1,))} "
+                    "(candidate ranks of a node must be 0, 1, 2, ...)"
+                )
         object.__setattr__(self, "paths", tuple(sorted(paths, key=lambda p: (len(p), p))))
 
     @property
@@ -53,7 +55,7 @@ class Tree:
         return max(map(len, self.paths))
 
     @functools.cached_property
-    def arrays(self) -> "TreeArrays":
+    def arrays(self) -> TreeArrays:
         return TreeArrays.build(self.paths)
 
     def is_chain(self) -> bool:
@@ -114,7 +116,7 @@ def medusa_like(budget: int = 60, max_depth: int = 5, head_decay: float = 0.7) -
     Nodes are added greedily by the probability that their whole path is accepted, with per-rank
     acceptance `RANK_ACCEPTANCE` scaled by `head_decay` per depth (later heads guess worse): the
     construction of Medusa's sparse trees, on stand-in numbers."""
-    score = lambda p: float(np.prod([RANK_ACCEPTANCE[r] * head_decay ** d for d, r in enumerate(p)]))
+    score = lambda p: float(np.prod([RANK_ACCEPTANCE[r] * head_decay**d for d, r in enumerate(p)]))
     chosen, frontier = [], [(0,)]
     while len(chosen) < budget:
         best = max(frontier, key=score)
@@ -141,10 +143,12 @@ class DynamicTree:
     total_tokens: int
 
     def __post_init__(self):
-        most = self.top_k + (self.depth - 1) * self.top_k ** 2
+        most = self.top_k + (self.depth - 1) * self.top_k**2
         if min(self.top_k, self.depth, self.total_tokens) < 1 or self.total_tokens > most:
-            raise TreeError(f"dynamic tree needs top_k, depth >= 1 and 1 <= total_tokens <= {most} "
-                            f"(the candidates it generates); got {self}")
+            raise TreeError(
+                f"dynamic tree needs top_k, depth >= 1 and 1 <= total_tokens <= {most} "
+                f"(the candidates it generates); got {self}"
+            )
 
     @property
     def size(self) -> int:
@@ -162,13 +166,17 @@ class TreeLayout:
     mask: jax.Array  # [B, N+1, N+1] ancestor-or-self
 
     @classmethod
-    def from_tree(cls, tree: Tree, batch: int) -> "TreeLayout":
+    def from_tree(cls, tree: Tree, batch: int) -> TreeLayout:
         a = tree.arrays
-        return cls(*(jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)
-                     for x in (a.parent, a.depth, a.ancestors, a.children, a.mask)))
+        return cls(
+            *(
+                jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)
+                for x in (a.parent, a.depth, a.ancestors, a.children, a.mask)
+            )
+        )
 
     @classmethod
-    def from_parents(cls, parent_BN: jax.Array, depth: int, width: int) -> "TreeLayout":
+    def from_parents(cls, parent_BN: jax.Array, depth: int, width: int) -> TreeLayout:
         """From parent pointers (parents before children, root 0 its own parent); siblings in index order."""
         b, n = parent_BN.shape
         rows, nodes = jnp.arange(b)[:, None], jnp.arange(n)[None]
@@ -188,7 +196,9 @@ class TreeLayout:
         rank = jnp.take_along_axis(sibling_rank, nodes[..., None].repeat(b, 0), axis=2)[..., 0] - 1
         children = jnp.full((b, n, width), -1, jnp.int32)
         target_rank = jnp.where(nodes > 0, rank, width)  # the root is nobody's child: dropped
-        children = children.at[rows, parent_BN, target_rank].set(jnp.broadcast_to(nodes, (b, n)), mode="drop")
+        children = children.at[rows, parent_BN, target_rank].set(
+            jnp.broadcast_to(nodes, (b, n)), mode="drop"
+        )
         return cls(parent_BN, node_depth, ancestors, children, mask)
 
 
@@ -206,5 +216,7 @@ def parse_tree(spec: str) -> Tree | DynamicTree | None:
     except ValueError as err:
         if isinstance(err, TreeError):
             raise
-        raise TreeError(f"cannot read tree {spec!r}: use one of {sorted(PRESETS)}, 'dynamic:TOP_K,DEPTH,TOTAL' "
-                        "or paths like '0;1;0,0'") from err
+        raise TreeError(
+            f"cannot read tree {spec!r}: use one of {sorted(PRESETS)}, 'dynamic:TOP_K,DEPTH,TOTAL' "
+            "or paths like '0;1;0,0'"
+        ) from err

@@ -8,26 +8,97 @@ import pytest
 from specjax.models.config import LlamaConfig
 from specjax.models.loading import load_model, resolve
 
-STORIES = resolve("stories260K") if (Path(__file__).parents[1].parent / "shared/models/stories260K").exists() \
-    or os.environ.get("SPECJAX_MODELS") else None
+STORIES = (
+    resolve("stories260K")
+    if (Path(__file__).parents[1].parent / "shared/models/stories260K").exists()
+    or os.environ.get("SPECJAX_MODELS")
+    else None
+)
 
 # The first 64 greedy ids after BOS, from ../shared/models/README.md.
 STORIES_REFERENCE_IDS = [
-    403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338,
-    401, 396, 267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385,
-    328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426, 338, 391, 266, 267,
-    337, 335, 312, 432, 398, 312, 286, 267, 414, 270, 333, 415, 426, 13, 438, 310]
+    403,
+    407,
+    261,
+    378,
+    432,
+    383,
+    286,
+    261,
+    376,
+    298,
+    315,
+    421,
+    395,
+    317,
+    426,
+    338,
+    401,
+    396,
+    267,
+    337,
+    410,
+    408,
+    419,
+    292,
+    411,
+    322,
+    265,
+    282,
+    295,
+    433,
+    426,
+    385,
+    328,
+    432,
+    358,
+    394,
+    261,
+    370,
+    432,
+    352,
+    266,
+    268,
+    388,
+    426,
+    338,
+    391,
+    266,
+    267,
+    337,
+    335,
+    312,
+    432,
+    398,
+    312,
+    286,
+    267,
+    414,
+    270,
+    333,
+    415,
+    426,
+    13,
+    438,
+    310,
+]
 STORIES_PROMPT = "Once upon a time, there was a dog named"
-STORIES_PROMPT_REFERENCE = ("Once upon a time, there was a dog named Max. Max loved to play with his toys and run "
-                            "around. One day, Max saw a big box in the gr")
+STORIES_PROMPT_REFERENCE = (
+    "Once upon a time, there was a dog named Max. Max loved to play with his toys and run "
+    "around. One day, Max saw a big box in the gr"
+)
 
-TINY = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
+TINY = LlamaConfig(
+    vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256
+)
 
 
 @pytest.fixture(scope="session")
 def stories():
     if STORIES is None:
-        pytest.fail("../shared/models/stories260K is missing: the real-model tests need it (or set SPECJAX_MODELS)")
+        pytest.fail(
+            "../shared/models/stories260K is missing: the real-model tests need it (or set SPECJAX_MODELS)"
+        )
     return load_model(str(STORIES))
 
 
@@ -39,4 +110,6 @@ def trained_heads(stories):
     """The committed stories260K heads (`heads/stories260K_{medusa,eagle}`): {method: (meta, graphdef, params)}."""
     from specjax.heads import load_heads
 
-    return {m: load_heads(HEADS / f"stories260K_{m}", stories.cfg, stories.params) for m in ("medusa", "eagle")}
+    return {
+        m: load_heads(HEADS / f"stories260K_{m}", stories.cfg, stories.params) for m in ("medusa", "eagle")
+    }

@@ -18,5 +18,7 @@ for name, n_data, n_model in [("data1", 1, 1), ("data8", 8, 1), ("data4_model2",
     c.train.steps, c.train.log_every, c.train.batch_size = 20, 1, 16
     c.mesh.data, c.mesh.model = n_data, n_model
     trainer.train(c, Path(out) / name)
-    runs[name] = [json.loads(line)["loss"] for line in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
+    runs[name] = [
+        json.loads(line)["loss"] for line in (Path(out) / name / "metrics.jsonl").read_text().splitlines()
+    ]
 print(json.dumps(runs))

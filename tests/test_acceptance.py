@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.acceptance import acceptance_probs, first_rejection, greedy_chain, residual, speculative_sampling
+from specjax.acceptance import (
+    acceptance_probs,
+    first_rejection,
+    greedy_chain,
+    residual,
+    speculative_sampling,
+)
 
 V = 5
 
@@ -26,7 +32,11 @@ def one_step_distribution(p, q, resample=residual):
         weight = 1.0 if q is None else q[x]
         if weight == 0:
             continue
-        a = float(acceptance_probs(jnp.array([[x]]), None if q is None else jnp.array([[q]]), jnp.array([[p, p]]))[0, 0])
+        a = float(
+            acceptance_probs(
+                jnp.array([[x]]), None if q is None else jnp.array([[q]]), jnp.array([[p, p]])
+            )[0, 0]
+        )
         r = np.asarray(resample(jnp.array([p]), jnp.array([q_x])))[0]
         out += weight * (a * np.eye(V)[x] + (1 - a) * r)
         if q is None:

@@ -15,7 +15,7 @@ def test_expected_tokens_per_round_matches_simulation(a, k):
 
 
 def test_speedup_and_optimal_k():
-    assert expected_speedup(0.8, 4, 0.0) == pytest.approx(sum(0.8 ** i for i in range(5)))
+    assert expected_speedup(0.8, 4, 0.0) == pytest.approx(sum(0.8**i for i in range(5)))
     assert expected_speedup(0.5, 3, 1.0) < 1  # a draft as slow as the target cannot pay
     for a, c in [(0.6, 0.05), (0.8, 0.1), (0.95, 0.02)]:
         k = optimal_k(a, c)

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
 
 GRAPHDEF, PARAMS = init_params(TINY, seed=3)
@@ -21,8 +21,10 @@ def layers(cache, row):
     """Keys and values of one batch row, every layer: [layers, kv_heads, S, head_dim] each."""
     heads = TINY.n_kv_heads
     rows = slice(row * heads, (row + 1) * heads)
-    return (np.stack([np.asarray(k[rows]) for k in cache.k]),
-            np.stack([np.asarray(v[rows]).swapaxes(1, 2) for v in cache.v]))
+    return (
+        np.stack([np.asarray(k[rows]) for k in cache.k]),
+        np.stack([np.asarray(v[rows]).swapaxes(1, 2) for v in cache.v]),
+    )
 
 
 def prefilled(size=24):
@@ -35,7 +37,9 @@ def test_rollback_then_redecode_equals_never_written():
     expected, _, _ = run(jnp.array([[12], [13]]), clean)
     _, _, dirty = run(jnp.array([[90, 91, 92], [93, 94, 95]]), clean)  # speculative garbage ...
     dirty = dirty.advance(3).with_length(clean.length)  # ... committed, then rolled back
-    assert not np.array_equal(layers(dirty, 0)[0], layers(clean, 0)[0])  # the garbage is still in the buffer
+    assert not np.array_equal(
+        layers(dirty, 0)[0], layers(clean, 0)[0]
+    )  # the garbage is still in the buffer
     got, _, _ = run(jnp.array([[12], [13]]), dirty)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 

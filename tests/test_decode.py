@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import STORIES_PROMPT, TINY
+
 from specjax.decode import GenerateSpec, generate
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
 from specjax.sampling import Sampler
@@ -62,10 +62,18 @@ def test_sampled_first_token_follows_warped_distribution(stories):
 
     sampler, n = Sampler(0.7, top_k=30, top_p=0.95), 4000
     prompt = stories.tokenizer.encode("Once upon a time, there was a")
-    gen = generate(stories.cfg, stories.graphdef, stories.params, [prompt] * n, GenerateSpec(1, sampler), seed=0)
+    gen = generate(
+        stories.cfg, stories.graphdef, stories.params, [prompt] * n, GenerateSpec(1, sampler), seed=0
+    )
     t = len(prompt)
-    logits = forward(stories.graphdef, stories.params, jnp.array([prompt]), jnp.arange(t)[None],
-                     init_cache(stories.cfg, 1, 16), causal_mask(t))[0][0, -1]
+    logits = forward(
+        stories.graphdef,
+        stories.params,
+        jnp.array([prompt]),
+        jnp.arange(t)[None],
+        init_cache(stories.cfg, 1, 16),
+        causal_mask(t),
+    )[0][0, -1]
     p = np.asarray(sampler.probs(logits), np.float64)
     support = p > 0
     assert 2 < support.sum() <= 30
@@ -80,8 +88,9 @@ def test_warpers_exact():
     logits = jnp.log(jnp.array([0.4, 0.3, 0.15, 0.1, 0.05]))
     np.testing.assert_allclose(Sampler(1.0, top_k=2).probs(logits), [4 / 7, 3 / 7, 0, 0, 0], atol=1e-6)
     np.testing.assert_allclose(Sampler(1.0, top_p=0.7).probs(logits), [4 / 7, 3 / 7, 0, 0, 0], atol=1e-6)
-    np.testing.assert_allclose(Sampler(1.0, top_p=0.71).probs(logits), [.4 / .85, .3 / .85, .15 / .85, 0, 0],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        Sampler(1.0, top_p=0.71).probs(logits), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-6
+    )
     hot = np.array([0.4, 0.3, 0.15, 0.1, 0.05]) ** 2
     np.testing.assert_allclose(Sampler(0.5).probs(logits), hot / hot.sum(), atol=1e-6)
     np.testing.assert_array_equal(Sampler(0.0).probs(logits), [1, 0, 0, 0, 0])

@@ -5,8 +5,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import STORIES, TINY
+
 from specjax.checkpoint import restore_model, save_model
 from specjax.decode import GenerateSpec, generate
 from specjax.models.config import ConfigError, LlamaConfig
@@ -42,12 +42,15 @@ def test_token_ids_outside_vocabulary():
         generate(TINY, GRAPHDEF, PARAMS, [[1, 500]], GenerateSpec(4))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; specjax runs llama, mistral, qwen2"),
-    ({"model_type": "mistral", "sliding_window": 128}, "needs sliding-window attention"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; specjax runs llama, mistral, qwen2"),
+        ({"model_type": "mistral", "sliding_window": 128}, "needs sliding-window attention"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+)
 def test_unsupported_architectures(change, message):
     with pytest.raises(ConfigError, match=message):
         LlamaConfig.from_hf({**HF_CONFIG, **change})
@@ -58,12 +61,15 @@ def test_mistral_without_window_is_accepted():
     assert cfg.n_kv_heads == 4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(temperature=1.0, top_k=-3), "top_k must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=1.0, top_k=-3), "top_k must be a non-negative integer"),
+    ],
+)
 def test_invalid_sampling_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampler(**kwargs)
@@ -119,8 +125,10 @@ def test_tokenizer_vocab_mismatch(tmp_path):
 
 
 def test_parameter_shape_mismatch():
-    from specjax.models.weights import build_params
     from flax import nnx
+
+    from specjax.models.weights import build_params
+
     pure = nnx.to_pure_dict(PARAMS)
     pure["norm"]["weight"] = np.ones(7, np.float32)
     with pytest.raises(CheckpointError, match=r"norm/weight has shape \(7,\), the config needs \(32,\)"):
@@ -140,10 +148,15 @@ def test_default_model_resolution(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECJAX_MODELS", str(STORIES.parent))
     assert resolve() == STORIES
-    monkeypatch.setenv("SPECJAX_MODELS", str(tmp_path))  # nowhere local: falls through to the hub, offline here
+    monkeypatch.setenv(
+        "SPECJAX_MODELS", str(tmp_path)
+    )  # nowhere local: falls through to the hub, offline here
     monkeypatch.setattr(loading, "REPO_ROOT", tmp_path / "repo")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match=r"stories260K/stories260K.bin, stories260K/tok512.model from "
-                                                r"karpathy/tinyllamas"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"stories260K/stories260K.bin, stories260K/tok512.model from "
+        r"karpathy/tinyllamas",
+    ):
         resolve()

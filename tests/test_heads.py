@@ -6,10 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TINY
-from test_speculative import (N_SAMPLES, SMALL, TARGET, first_three, greedy_case, peaked, run_patched,
-                             two_sample_pvalue)
+from helpers import (
+    N_SAMPLES,
+    SMALL,
+    TARGET,
+    first_three,
+    greedy_case,
+    peaked,
+    run_patched,
+    two_sample_pvalue,
+)
+
 from specjax import heads
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config, target_io
@@ -37,8 +45,10 @@ def head_drafters(cfg, params, sampler, meta_params):
 
 
 def fresh_heads(cfg, params):
-    metas = {"medusa": heads.describe("medusa", {"num_heads": 4, "num_layers": 1}, cfg),
-             "eagle": heads.describe("eagle", {}, cfg)}
+    metas = {
+        "medusa": heads.describe("medusa", {"num_heads": 4, "num_layers": 1}, cfg),
+        "eagle": heads.describe("eagle", {}, cfg),
+    }
     return {m: (meta, *heads.new_heads(meta, cfg, params, seed=3)) for m, meta in metas.items()}
 
 
@@ -73,13 +83,22 @@ def test_eagle_state_matches_recomputation():
     drafter = Eagle(layer_config(TINY), hgraph, k, Sampler(1.0))
     state = drafter.init(dparams, seq[:, :prompt], jnp.array([prompt, 5]), 64, feats[:, :prompt])
     n = seq.shape[1] - 1  # from scratch, causally: slot i holds (token i + 1, feature i)
-    scratch, _, _ = eagle_apply(hgraph, dparams, seq[:, 1:], feats[:, :-1], jnp.broadcast_to(jnp.arange(n), (2, n)),
-                                init_cache(layer_config(TINY), 2, n), causal_mask(n))
+    scratch, _, _ = eagle_apply(
+        hgraph,
+        dparams,
+        seq[:, 1:],
+        feats[:, :-1],
+        jnp.broadcast_to(jnp.arange(n), (2, n)),
+        init_cache(layer_config(TINY), 2, n),
+        causal_mask(n),
+    )
     propose, commit = jax.jit(drafter.propose), jax.jit(drafter.commit)
     n_tokens = jnp.array([prompt + 1, 6])
     for round_ in range(6):
         draft, state = propose(dparams, state, seq, n_tokens, jax.random.key(round_))
-        root = jnp.take_along_axis(scratch, (n_tokens - 2)[:, None, None], axis=1)[:, 0]  # predicts after pending
+        root = jnp.take_along_axis(scratch, (n_tokens - 2)[:, None, None], axis=1)[
+            :, 0
+        ]  # predicts after pending
         np.testing.assert_allclose(draft.q_probs[:, 0], jax.nn.softmax(root), atol=1e-5)
         accepted = jnp.asarray(rng.integers(0, k + 1, 2))
         start = n_tokens - 1  # the round's pending token
@@ -94,7 +113,9 @@ def small_pair():
     return graphdef, params, fresh_heads(SMALL, params)
 
 
-@pytest.mark.parametrize("name", ["medusa chain", "medusa tree", "eagle chain", "eagle tree", "eagle dynamic"])
+@pytest.mark.parametrize(
+    "name", ["medusa chain", "medusa tree", "eagle chain", "eagle tree", "eagle dynamic"]
+)
 def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
     graphdef, params, fresh = small_pair
     sampler = Sampler(1.0)
@@ -105,8 +126,12 @@ def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
     assert 0.05 < summarize(gen.stats)["draft_efficiency"] < 0.95  # the test exercises rejections
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
     if name == "eagle tree":  # negative control: resampling from p instead of the residual is caught
-        broken = run_patched(monkeypatch, "specjax.acceptance.residual", lambda p, q: p, lambda: speculative_generate(
-            SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
+        broken = run_patched(
+            monkeypatch,
+            "specjax.acceptance.residual",
+            lambda p, q: p,
+            lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
+        )
         assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 
@@ -114,7 +139,7 @@ def test_heads_for_another_target_are_refused():
     graphdef, params = TARGET
     fresh = fresh_heads(TINY, params)
     other = TINY.replace(vocab_size=50, dim=16)
-    for name, drafter, dparams in head_drafters(TINY, params, Sampler(), fresh):
+    for _name, drafter, dparams in head_drafters(TINY, params, Sampler(), fresh):
         with pytest.raises(ValueError, match="train (heads|a head) for this target"):
             speculative_generate(other, None, None, drafter, dparams, [[1, 2]], GenerateSpec(4))
     with pytest.raises(ValueError, match="Medusa with 4 heads drafts 1..4 tokens deep; got k=5"):

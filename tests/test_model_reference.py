@@ -12,15 +12,52 @@ from specjax.models.llama import causal_mask, forward, init_cache, rope_angles
 from specjax.models.weights import params_from_hf, read_safetensors
 
 CONFIGS = {
-    "llama_gqa_tied": LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=80,
-                                  tie_embeddings=True, max_seq_len=64),
-    "llama_mha_untied_bias": LlamaConfig(vocab_size=89, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=64,
-                                         qkv_bias=True, o_bias=True, rope_theta=500.0, max_seq_len=64),
+    "llama_gqa_tied": LlamaConfig(
+        vocab_size=101,
+        dim=48,
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        hidden_dim=80,
+        tie_embeddings=True,
+        max_seq_len=64,
+    ),
+    "llama_mha_untied_bias": LlamaConfig(
+        vocab_size=89,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        hidden_dim=64,
+        qkv_bias=True,
+        o_bias=True,
+        rope_theta=500.0,
+        max_seq_len=64,
+    ),
     "llama3_rope_scaling_head_dim": LlamaConfig(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, hidden_dim=48, head_dim=16,
-        rope_theta=500000.0, rope_llama3_scaling=(8.0, 1.0, 4.0, 16), max_seq_len=64),
-    "qwen2_bias_gqa": LlamaConfig(vocab_size=70, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=40,
-                                  qkv_bias=True, norm_eps=1e-6, rope_theta=1e6, max_seq_len=64),
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        hidden_dim=48,
+        head_dim=16,
+        rope_theta=500000.0,
+        rope_llama3_scaling=(8.0, 1.0, 4.0, 16),
+        max_seq_len=64,
+    ),
+    "qwen2_bias_gqa": LlamaConfig(
+        vocab_size=70,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=40,
+        qkv_bias=True,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=64,
+    ),
 }
 SEQ = 12
 
@@ -51,14 +88,21 @@ def test_logits_match_transformers(name, tmp_path):
         expected = model(torch.tensor(tokens)).logits.numpy()
 
     positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
-    logits, hidden, _ = forward(graphdef, params, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32),
-                                causal_mask(SEQ))
+    logits, hidden, _ = forward(
+        graphdef, params, jnp.asarray(tokens), positions, init_cache(cfg, 2, 32), causal_mask(SEQ)
+    )
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
 
     cache = init_cache(cfg, 2, 16)  # step by step through the cache
     for t in range(SEQ):
-        step, _, cache = forward(graphdef, params, jnp.asarray(tokens[:, t: t + 1]), positions[:, t: t + 1], cache,
-                                 causal_mask(1))
+        step, _, cache = forward(
+            graphdef,
+            params,
+            jnp.asarray(tokens[:, t : t + 1]),
+            positions[:, t : t + 1],
+            cache,
+            causal_mask(1),
+        )
         cache = cache.advance(1)
         np.testing.assert_allclose(np.asarray(step[:, 0]), expected[:, t], atol=1e-4, rtol=0)
 
@@ -70,8 +114,15 @@ def test_hidden_taps_match_transformers(tmp_path):
     tokens = np.arange(SEQ)[None] % cfg.vocab_size
     with torch.no_grad():
         states = model(torch.tensor(tokens), output_hidden_states=True).hidden_states
-    _, hidden, _ = forward(graphdef, params, jnp.asarray(tokens), jnp.arange(SEQ)[None], init_cache(cfg, 1, 16),
-                           causal_mask(SEQ), taps=(0, 1))
+    _, hidden, _ = forward(
+        graphdef,
+        params,
+        jnp.asarray(tokens),
+        jnp.arange(SEQ)[None],
+        init_cache(cfg, 1, 16),
+        causal_mask(SEQ),
+        taps=(0, 1),
+    )
     for layer in (0, 1):  # HF's hidden_states[i + 1] is the output of layer i
         np.testing.assert_allclose(np.asarray(hidden.taps[layer]), states[layer + 1].numpy(), atol=1e-4)
     np.testing.assert_allclose(np.asarray(hidden.final), states[-1].numpy(), atol=1e-4)
@@ -96,8 +147,11 @@ def test_bfloat16_forward_tracks_float32(tmp_path):
         c = cfg.replace(dtype=dtype)
         graphdef, params = params_from_hf(c, tensors)
         assert jax.tree.leaves(params)[0].dtype == jnp.dtype(dtype)
-        out[dtype] = np.asarray(forward(graphdef, params, tokens, jnp.arange(SEQ)[None], init_cache(c, 1, 16),
-                                        causal_mask(SEQ))[0])
+        out[dtype] = np.asarray(
+            forward(
+                graphdef, params, tokens, jnp.arange(SEQ)[None], init_cache(c, 1, 16), causal_mask(SEQ)
+            )[0]
+        )
     scale = np.abs(out["float32"]).max()
     assert np.abs(out["bfloat16"] - out["float32"]).max() < 0.05 * scale
     assert (out["bfloat16"].argmax(-1) == out["float32"].argmax(-1)).mean() > 0.8

@@ -4,42 +4,37 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
+from conftest import TINY
+from helpers import (
+    N_SAMPLES,
+    RAGGED,
+    RANDOM_DRAFT_CFG,
+    SMALL,
+    TARGET,
+    first_three,
+    greedy_case,
+    peaked,
+    run_patched,
+    two_sample_pvalue,
+)
 
-import specjax.decode as decode
-from conftest import STORIES_PROMPT, TINY
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
-from specjax.models.config import LlamaConfig
 from specjax.models.llama import init_params
 from specjax.sampling import Sampler
 
-TARGET = init_params(TINY, seed=1)
-RANDOM_DRAFT_CFG = LlamaConfig(vocab_size=97, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=24,
-                               max_seq_len=256)
-RAGGED = [[1, 5, 9], [1], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 7, 7, 7, 7]]
 
-
-def drafts(cfg, graphdef, params, k, sampler=Sampler()):
+def drafts(cfg, graphdef, params, k, sampler=Sampler()):  # noqa: B008 (a frozen dataclass)
     """(name, drafter, drafter params): a useless random model, a truncated target, the target itself."""
     random_cfg = RANDOM_DRAFT_CFG.replace(vocab_size=cfg.vocab_size)
     random_graphdef, random_params = init_params(random_cfg, seed=11)
     short_cfg, short_graphdef, short_params = truncated_target(cfg, params, 1)
-    return [("random", DraftModel(random_cfg, random_graphdef, k, sampler), random_params),
-            ("truncated", DraftModel(short_cfg, short_graphdef, k, sampler), short_params),
-            ("self", DraftModel(cfg, graphdef, k, sampler), params)]
-
-
-def greedy_case(model, stories):
-    """(cfg, graphdef, params, ragged prompts, spec, greedy AR tokens) of the tiny model or stories260K."""
-    if model == "tiny":
-        cfg, (graphdef, params), prompts = TINY, TARGET, RAGGED
-    else:
-        cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
-        prompts = [stories.tokenizer.encode(t) for t in (STORIES_PROMPT, "Lily", "The sun was hot and the")]
-    spec = GenerateSpec(40, eos_id=None)
-    return cfg, graphdef, params, prompts, spec, np.asarray(generate(cfg, graphdef, params, prompts, spec).tokens)
+    return [
+        ("random", DraftModel(random_cfg, random_graphdef, k, sampler), random_params),
+        ("truncated", DraftModel(short_cfg, short_graphdef, k, sampler), short_params),
+        ("self", DraftModel(cfg, graphdef, k, sampler), params),
+    ]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -51,7 +46,9 @@ def test_greedy_speculative_equals_greedy_ar(model, k, stories):
         gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=f"{name} draft, K={k}")
         taus[name] = summarize(gen.stats)["tau"]
-    assert taus["self"] == pytest.approx(39 / math.ceil(39 / (k + 1)))  # full rounds; the last one cut at 40
+    assert taus["self"] == pytest.approx(
+        39 / math.ceil(39 / (k + 1))
+    )  # full rounds; the last one cut at 40
     assert taus["random"] < taus["self"]
 
 
@@ -79,8 +76,12 @@ def test_stats_add_up():
     m = summarize(s)
     assert m["tau"] == k + 1 and m["draft_efficiency"] == 1.0 and m["alpha"].tolist() == [1.0] * k
 
-    _, drafter, dparams = drafts(TINY, graphdef, params, k)[0]  # random: partial acceptance, cut last rounds
-    gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, GenerateSpec(37, eos_id=None))
+    _, drafter, dparams = drafts(TINY, graphdef, params, k)[
+        0
+    ]  # random: partial acceptance, cut last rounds
+    gen = speculative_generate(
+        TINY, graphdef, params, drafter, dparams, RAGGED, GenerateSpec(37, eos_id=None)
+    )
     s, hist = gen.stats, np.asarray(gen.stats.accepted_hist)
     assert hist.sum() == s.row_rounds.sum()
     assert np.asarray(s.accepted_at).sum() == (np.arange(k + 1) * hist).sum()
@@ -92,37 +93,6 @@ def test_stats_add_up():
 
 # --- statistical exactness, end to end --------------------------------------------------------------
 
-SMALL = LlamaConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
-N_SAMPLES = 20_000
-
-
-def peaked(cfg, seed):
-    """Random weights with a scaled-up (untied) LM head, so next-token distributions are far from uniform."""
-    graphdef, params = init_params(cfg, seed)
-    params["lm_head"]["weight"].set_value(params["lm_head"]["weight"][...] * 60)
-    return graphdef, params
-
-
-def first_three(tokens):
-    return np.asarray(tokens[:, 0]) * 64 + np.asarray(tokens[:, 1]) * 8 + np.asarray(tokens[:, 2])
-
-
-def two_sample_pvalue(a, b):
-    counts = np.stack([np.bincount(a, minlength=512), np.bincount(b, minlength=512)])
-    big = counts.sum(0) >= 20
-    table = np.concatenate([counts[:, big], counts[:, ~big].sum(1, keepdims=True)], axis=1)
-    return chi2_contingency(table[:, table.sum(0) > 0]).pvalue
-
-
-def run_patched(monkeypatch, name: str, replacement, run):
-    """`run()` with `name` (e.g. a piece of the acceptance rule) replaced, compiled afresh: negative controls."""
-    monkeypatch.setattr(name, replacement)
-    decode._speculative.clear_cache()
-    try:
-        return run()
-    finally:
-        decode._speculative.clear_cache()
-
 
 @pytest.fixture(scope="module")
 def pair():
@@ -130,7 +100,9 @@ def pair():
     return (graphdef, params), truncated_target(SMALL, params, 1)
 
 
-@pytest.mark.parametrize("sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"])
+@pytest.mark.parametrize(
+    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
+)
 def test_speculative_sampling_is_distributed_as_ar(pair, sampler, monkeypatch):
     (graphdef, params), (dcfg, dgraphdef, dparams) = pair
     prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
@@ -141,23 +113,40 @@ def test_speculative_sampling_is_distributed_as_ar(pair, sampler, monkeypatch):
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
     # Negative control: resampling from p instead of the residual must be caught by the same test.
-    broken = run_patched(monkeypatch, "specjax.acceptance.residual", lambda p, q: p, lambda: speculative_generate(
-        SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
+    broken = run_patched(
+        monkeypatch,
+        "specjax.acceptance.residual",
+        lambda p, q: p,
+        lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
+    )
     assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 
 # --- errors -------------------------------------------------------------------------------------------
 
+
 def test_errors_before_compile():
     graphdef, params = TARGET
     with pytest.raises(ValueError, match="K \\(draft tokens per round\\) must be an integer >= 1, got 0"):
-        speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 0), params, RAGGED, GenerateSpec(8))
+        speculative_generate(
+            TINY, graphdef, params, DraftModel(TINY, graphdef, 0), params, RAGGED, GenerateSpec(8)
+        )
     with pytest.raises(ValueError, match="K=8 does not fit"):
-        speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 8), params, [[1] * 10],
-                             GenerateSpec(20, cache_size=32))
+        speculative_generate(
+            TINY,
+            graphdef,
+            params,
+            DraftModel(TINY, graphdef, 8),
+            params,
+            [[1] * 10],
+            GenerateSpec(20, cache_size=32),
+        )
     other = RANDOM_DRAFT_CFG.replace(vocab_size=50)
     with pytest.raises(ValueError, match=r"draft model vocabulary \(50\) differs from the target's \(97\)"):
-        speculative_generate(TINY, graphdef, params, DraftModel(other, None, 2), None, RAGGED, GenerateSpec(8))
+        speculative_generate(
+            TINY, graphdef, params, DraftModel(other, None, 2), None, RAGGED, GenerateSpec(8)
+        )
     with pytest.raises(ValueError, match="exceeds the model's context of 256"):
-        speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 2), params, [[1] * 250],
-                             GenerateSpec(20))
+        speculative_generate(
+            TINY, graphdef, params, DraftModel(TINY, graphdef, 2), params, [[1] * 250], GenerateSpec(20)
+        )

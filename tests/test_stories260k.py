@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import STORIES, STORIES_PROMPT, STORIES_PROMPT_REFERENCE, STORIES_REFERENCE_IDS
+
 from specjax.checkpoint import restore_model, save_model
 from specjax.decode import GenerateSpec, generate
 from specjax.models.llama import causal_mask, forward, init_cache
@@ -48,7 +48,9 @@ def test_orbax_round_trip(stories, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tokens = np.array([[1, 403, 407, 261]])
     run = lambda g, p: forward(g, p, tokens, np.arange(4)[None], init_cache(cfg, 1, 8), causal_mask(4))[0]
-    np.testing.assert_array_equal(np.asarray(run(graphdef, params)), np.asarray(run(stories.graphdef, stories.params)))
+    np.testing.assert_array_equal(
+        np.asarray(run(graphdef, params)), np.asarray(run(stories.graphdef, stories.params))
+    )
     reloaded = load_model(str(path))  # the directory is a model path like any other, tokenizer included
     assert greedy(reloaded, [1], 16) == STORIES_REFERENCE_IDS[:16]
 

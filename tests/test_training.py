@@ -38,7 +38,10 @@ def corpus(target_dir, tmp_path_factory):
     config.data.cache = str(tmp_path_factory.mktemp("corpus") / "corpus.npy")
     cfg, graphdef, params = checkpoint.restore_model(target_dir)
     from specjax.models.loading import load_tokenizer
-    data.load_corpus(config, (cfg, graphdef, params), load_tokenizer(target_dir / "tokenizer", cfg.vocab_size))
+
+    data.load_corpus(
+        config, (cfg, graphdef, params), load_tokenizer(target_dir / "tokenizer", cfg.vocab_size)
+    )
     return config.data.cache
 
 
@@ -55,7 +58,9 @@ def losses(workdir):
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(method, target_dir, corpus, tmp_path, monkeypatch):
+def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(
+    method, target_dir, corpus, tmp_path, monkeypatch
+):
     loaded = {}
 
     def spy(config, mesh):  # keep the trainer's in-memory target to compare after training
@@ -105,10 +110,22 @@ def test_resume_equals_uninterrupted_and_ignores_half_written(target_dir, corpus
 def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
     """A preempted run (SIGTERM) keeps every step it finished, with no periodic checkpoint due."""
     workdir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "train_heads.py", "--config=configs/medusa.py:smoke", f"--workdir={workdir}",
-                             f"--config.target={target_dir}", f"--config.data.cache={corpus}",
-                             "--config.train.steps=100000", "--config.train.checkpoint_every=100000",
-                             "--config.train.log_every=1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train_heads.py",
+            "--config=configs/medusa.py:smoke",
+            f"--workdir={workdir}",
+            f"--config.target={target_dir}",
+            f"--config.data.cache={corpus}",
+            "--config.train.steps=100000",
+            "--config.train.checkpoint_every=100000",
+            "--config.train.log_every=1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.1)
@@ -116,7 +133,9 @@ def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
     assert proc.wait(timeout=120) != 0
     logged = len(metrics.read_text().splitlines())
     saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
-    assert logged >= 3 and len(saved) == 1 and saved[0] in (logged, logged + 1)  # signal between step and log
+    assert (
+        logged >= 3 and len(saved) == 1 and saved[0] in (logged, logged + 1)
+    )  # signal between step and log
 
 
 def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path):
@@ -137,8 +156,13 @@ def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):
     """Runs in its own process: the device count is fixed when JAX starts."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     script = REPO / "tests" / "sharded_training.py"
-    out = subprocess.run([sys.executable, str(script), str(target_dir), corpus, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script), str(target_dir), corpus, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = json.loads(out.stdout.strip().splitlines()[-1])
     assert runs["devices"] == 8
@@ -149,7 +173,9 @@ def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):
 
 def test_data_sources_and_order(tmp_path, stories):
     (tmp_path / "docs.txt").write_text("Once upon a time.\n\nThe cat sat.\n")
-    (tmp_path / "docs.jsonl").write_text('{"text": "Once upon a time."}\n{"prompt": "The cat", "response": " sat."}\n')
+    (tmp_path / "docs.jsonl").write_text(
+        '{"text": "Once upon a time."}\n{"prompt": "The cat", "response": " sat."}\n'
+    )
     txt = data.read_documents(tmp_path / "docs.txt", stories.tokenizer)
     assert txt == [stories.tokenizer.encode("Once upon a time."), stories.tokenizer.encode("The cat sat.")]
     assert data.read_documents(tmp_path / "docs.jsonl", stories.tokenizer) == txt
@@ -169,16 +195,31 @@ def test_clear_errors(target_dir, tmp_path, stories):
     config = smoke_config("medusa", tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="target checkpoint .*nowhere not found .*specjax.convert"):
         trainer.train(config, tmp_path / "run")
-    out = subprocess.run([sys.executable, "train_heads.py", "--config=configs/medusa.py:smoke",
-                          f"--workdir={tmp_path / 'run'}", "--config.optimizer.lrr=1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train_heads.py",
+            "--config=configs/medusa.py:smoke",
+            f"--workdir={tmp_path / 'run'}",
+            "--config.optimizer.lrr=1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0 and "lrr" in out.stderr, out.stderr[-2000:]
     meta = heads.describe("medusa", {"num_heads": 2, "num_layers": 1}, stories.cfg.replace(vocab_size=1000))
     heads.write_meta(tmp_path / "foreign", meta)
     with pytest.raises(ValueError, match="trained for another target.*vocab_size.*1000, 512"):
         heads.load_heads(tmp_path / "foreign", stories.cfg, stories.params)
-    out = subprocess.run([sys.executable, "run_decode.py", "--drafter=medusa", f"--heads={tmp_path / 'foreign'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "run_decode.py", "--drafter=medusa", f"--heads={tmp_path / 'foreign'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0 and "trained for another target" in out.stderr, out.stderr[-2000:]
     with pytest.raises(CheckpointError, match="heads.json is missing or corrupt"):
         heads.load_heads(tmp_path / "empty", stories.cfg, stories.params)

@@ -6,8 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TINY
+from helpers import (
+    RAGGED,
+    SMALL,
+    TARGET,
+    first_three,
+    greedy_case,
+    peaked,
+    run_patched,
+    two_sample_pvalue,
+)
+
 from specjax.acceptance import sibling_step, tree_sampling
 from specjax.decode import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
@@ -16,13 +26,11 @@ from specjax.sampling import Sampler
 from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, TreeLayout, balanced, chain
 
 DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
-from test_speculative import (RAGGED, SMALL, TARGET, first_three, greedy_case, peaked, run_patched,
-                             two_sample_pvalue)
-
 V = 5
 
 
 # --- tree specs ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_mask_is_exactly_the_ancestors(name):
@@ -62,13 +70,16 @@ def test_presets_shapes():
     assert widths[2:] == sorted(widths[2:], reverse=True)  # narrowing with depth
 
 
-@pytest.mark.parametrize("paths, message", [
-    ([], "at least one node"),
-    ([[0], [0, 0], [0, 0]], r"duplicate path \[0, 0\]"),
-    ([[0], [1, 0]], r"path \[1, 0\] has no parent: add \[1\]"),
-    ([[0], [2]], r"path \[2\] skips a sibling: add \[1\]"),
-    ([[0], [-1]], "ranks >= 0"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([], "at least one node"),
+        ([[0], [0, 0], [0, 0]], r"duplicate path \[0, 0\]"),
+        ([[0], [1, 0]], r"path \[1, 0\] has no parent: add \[1\]"),
+        ([[0], [2]], r"path \[2\] skips a sibling: add \[1\]"),
+        ([[0], [-1]], "ranks >= 0"),
+    ],
+)
 def test_invalid_tree_specs(paths, message):
     with pytest.raises(TreeError, match=message):
         Tree(tuple(map(tuple, paths)))
@@ -78,10 +89,13 @@ def test_tree_beyond_the_cache():
     graphdef, params = TARGET
     drafter = DraftModel(TINY, graphdef, 4, tree=balanced(3, 4))  # 121 nodes
     with pytest.raises(ValueError, match="a tree of 121 nodes does not fit"):
-        speculative_generate(TINY, graphdef, params, drafter, params, [[1, 2]], GenerateSpec(20, cache_size=128))
+        speculative_generate(
+            TINY, graphdef, params, drafter, params, [[1, 2]], GenerateSpec(20, cache_size=128)
+        )
 
 
 # --- the sibling rule, exactly -------------------------------------------------------------------------
+
 
 def random_dist(rng, zeros=1):
     p = rng.gamma(0.7, size=V)
@@ -149,20 +163,25 @@ def test_tree_sampling_one_level_frequencies():
     q_b = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 3, V))
     layout = TreeLayout.from_tree(tree, n)
     n_acc, nxt, path = tree_sampling(jax.random.key(1), layout, draft, q_b, p_b, without_replacement=True)
-    first = np.where(np.asarray(n_acc) == 1, np.asarray(draft)[np.arange(n), np.asarray(path[:, 0]) - 1],
-                     np.asarray(nxt))
+    first = np.where(
+        np.asarray(n_acc) == 1, np.asarray(draft)[np.arange(n), np.asarray(path[:, 0]) - 1], np.asarray(nxt)
+    )
     np.testing.assert_allclose(np.bincount(first, minlength=V) / n, p, atol=4 * np.sqrt(0.25 / n))
 
 
 # --- end to end ------------------------------------------------------------------------------------------
 
+
 def test_chain_tree_equals_chain():
     graphdef, params = TARGET
     short = truncated_target(TINY, params, 1)
     spec = GenerateSpec(30, eos_id=None)
-    as_chain = speculative_generate(TINY, graphdef, params, DraftModel(short[0], short[1], 3), short[2], RAGGED, spec)
-    as_tree = speculative_generate(TINY, graphdef, params, DraftModel(short[0], short[1], 3, tree=chain(3)), short[2],
-                                   RAGGED, spec)
+    as_chain = speculative_generate(
+        TINY, graphdef, params, DraftModel(short[0], short[1], 3), short[2], RAGGED, spec
+    )
+    as_tree = speculative_generate(
+        TINY, graphdef, params, DraftModel(short[0], short[1], 3, tree=chain(3)), short[2], RAGGED, spec
+    )
     np.testing.assert_array_equal(np.asarray(as_tree.tokens), np.asarray(as_chain.tokens))
     for a, b in zip(jax.tree.leaves(as_chain.stats), jax.tree.leaves(as_tree.stats), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -173,15 +192,22 @@ def test_greedy_tree_speculation_equals_ar(model, stories):
     cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
     short_cfg, short_graphdef, short_params = truncated_target(cfg, params, 1)
     for name, tree in list(PRESETS.items()) + [(str(d), d) for d in DYNAMIC]:
-        for dcfg, dgraphdef, dparams in [(short_cfg, short_graphdef, short_params), (cfg, graphdef, params)]:
+        for dcfg, dgraphdef, dparams in [
+            (short_cfg, short_graphdef, short_params),
+            (cfg, graphdef, params),
+        ]:
             drafter = DraftModel(dcfg, dgraphdef, tree.depth, tree=tree)
             gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
-            np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=f"{name}, {dcfg.n_layers} layers")
+            np.testing.assert_array_equal(
+                np.asarray(gen.tokens), ar, err_msg=f"{name}, {dcfg.n_layers} layers"
+            )
         if isinstance(tree, Tree):  # a self-draft's static tree holds the argmax path: whole paths accepted
             assert summarize(gen.stats)["tau"] > 0.9 * min(tree.depth + 1, 39)
 
 
-@pytest.mark.parametrize("sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"])
+@pytest.mark.parametrize(
+    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
+)
 def test_sampled_dynamic_tree_is_distributed_as_ar(sampler):
     graphdef, params = peaked(SMALL, 0)
     dgraphdef, dparams = peaked(SMALL.replace(n_layers=1), 5)
@@ -193,7 +219,9 @@ def test_sampled_dynamic_tree_is_distributed_as_ar(sampler):
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
 
-@pytest.mark.parametrize("sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"])
+@pytest.mark.parametrize(
+    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
+)
 def test_sampled_tree_speculation_is_distributed_as_ar(sampler, monkeypatch):
     graphdef, params = peaked(SMALL, 0)
     dcfg = SMALL.replace(n_layers=1)
@@ -202,12 +230,17 @@ def test_sampled_tree_speculation_is_distributed_as_ar(sampler, monkeypatch):
     ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
     drafter = DraftModel(dcfg, dgraphdef, 2, sampler, tree=balanced(2, 2))
     gen = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
-    assert np.asarray(gen.stats.accepted_hist)[:-1].sum() > 1000  # whole levels get rejected: residuals are used
+    assert (
+        np.asarray(gen.stats.accepted_hist)[:-1].sum() > 1000
+    )  # whole levels get rejected: residuals are used
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
     # Negative control: no renormalisation of q after a rejected sibling must be caught by the same test.
     real_step = sibling_step
-    broken = run_patched(monkeypatch, "specjax.acceptance.sibling_step",
-                         lambda p, q, x, without: real_step(p, q, x, False),
-                         lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2))
+    broken = run_patched(
+        monkeypatch,
+        "specjax.acceptance.sibling_step",
+        lambda p, q, x, without: real_step(p, q, x, False),
+        lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
+    )
     assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6

@@ -28,20 +28,29 @@ class DraftModel(search.Searching):
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if self.cfg.vocab_size != target_cfg.vocab_size:
-            raise ValueError(f"draft model vocabulary ({self.cfg.vocab_size}) differs from the target's "
-                             f"({target_cfg.vocab_size}): the drafter must share the target's tokenizer")
+            raise ValueError(
+                f"draft model vocabulary ({self.cfg.vocab_size}) differs from the target's "
+                f"({target_cfg.vocab_size}): the drafter must share the target's tokenizer"
+            )
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH=None):
         batch, width = tokens_BP.shape
         positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-        _, _, cache = forward(self.graphdef, params, tokens_BP, positions, init_cache(self.cfg, batch, cache_size),
-                              causal_mask(width))
+        _, _, cache = forward(
+            self.graphdef,
+            params,
+            tokens_BP,
+            positions,
+            init_cache(self.cfg, batch, cache_size),
+            causal_mask(width),
+        )
         return cache.with_length(lengths_B)
 
     def _step(self, params):
         def step(cache, tokens_BT, positions_BT, mask_BTW, ctx):
             logits, _, cache = forward(self.graphdef, params, tokens_BT, positions_BT, cache, mask_BTW)
             return logits, None, cache
+
         return step
 
     def propose(self, params, cache, seq_BS, n_tokens_B, key):
@@ -52,15 +61,18 @@ class DraftModel(search.Searching):
         # keeps nothing of the tree (re-read depth + 1 tokens).
         t = self.tree.depth + 1 if isinstance(self.tree, DynamicTree) else 2
         logits, cache = self._feed(params, cache, seq_BS, n_tokens_B, t)
-        return search.search(self._step(params), self.sampler, self.k, self.tree, logits, None, n_tokens_B,
-                             cache, key)
+        return search.search(
+            self._step(params), self.sampler, self.k, self.tree, logits, None, n_tokens_B, cache, key
+        )
 
     def _feed(self, params, cache, seq_BS, n_tokens_B, t: int):
         """Re-reads the last `t` tokens of each row (the pending one last): (its logits [B, V], cache)."""
         start = jnp.maximum(n_tokens_B - t, 0)
         positions = start[:, None] + jnp.arange(t)[None]
         tokens = jnp.take_along_axis(seq_BS, positions, axis=1)
-        logits, _, cache = forward(self.graphdef, params, tokens, positions, cache.with_length(start), causal_mask(t))
+        logits, _, cache = forward(
+            self.graphdef, params, tokens, positions, cache.with_length(start), causal_mask(t)
+        )
         last = jnp.take_along_axis(logits, (n_tokens_B - 1 - start)[:, None, None], axis=1)[:, 0]
         return last, cache.with_length(n_tokens_B)
 

@@ -66,7 +66,9 @@ def target_io(target_cfg: LlamaConfig, target_params) -> dict:
 @struct.dataclass
 class EagleState:
     cache: object  # the head's KV cache; committed slots were read with the target's true features
-    feats: jax.Array  # [B, K + 1, H] the target's features from the last verification, from slot `committed`
+    feats: (
+        jax.Array
+    )  # [B, K + 1, H] the target's features from the last verification, from slot `committed`
     committed: jax.Array  # [B] committed cache slots
 
 
@@ -83,16 +85,25 @@ class Eagle(search.Searching):
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.layer_cfg
         if layer_config(target_cfg).replace(dtype=mine.dtype, max_seq_len=mine.max_seq_len) != mine:
-            raise ValueError(f"this EAGLE head was built for a target with vocabulary {self.layer_cfg.vocab_size} "
-                             f"and width {self.layer_cfg.dim}, not vocabulary {target_cfg.vocab_size} and width "
-                             f"{target_cfg.dim} (or another layer shape): train a head for this target")
+            raise ValueError(
+                f"this EAGLE head was built for a target with vocabulary {self.layer_cfg.vocab_size} "
+                f"and width {self.layer_cfg.dim}, not vocabulary {target_cfg.vocab_size} and width "
+                f"{target_cfg.dim} (or another layer shape): train a head for this target"
+            )
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
         batch, width = tokens_BP.shape
         positions = jnp.broadcast_to(jnp.arange(width - 1), (batch, width - 1))
         cache = init_cache(self.layer_cfg, batch, cache_size)
-        _, _, cache = eagle_apply(self.graphdef, params, tokens_BP[:, 1:], feats_BPH[:, :-1], positions, cache,
-                                  causal_mask(width - 1))  # slot i: (token i + 1, feature i)
+        _, _, cache = eagle_apply(
+            self.graphdef,
+            params,
+            tokens_BP[:, 1:],
+            feats_BPH[:, :-1],
+            positions,
+            cache,
+            causal_mask(width - 1),
+        )  # slot i: (token i + 1, feature i)
         last = jnp.take_along_axis(feats_BPH, (lengths_B - 1)[:, None, None], axis=1)
         feats = jnp.zeros((batch, self.k + 1, feats_BPH.shape[-1]), feats_BPH.dtype).at[:, :1].set(last)
         return EagleState(cache.with_length(lengths_B - 1), feats, lengths_B - 1)
@@ -100,6 +111,7 @@ class Eagle(search.Searching):
     def _step(self, params):
         def step(cache, tokens_BT, positions_BT, mask_BTW, feats_BTH):
             return eagle_apply(self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW)
+
         return step
 
     def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
@@ -107,14 +119,32 @@ class Eagle(search.Searching):
         w = self.k + 1
         positions = state.committed[:, None] + jnp.arange(w)[None]
         tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
-        logits, feats, cache = eagle_apply(self.graphdef, params, tokens, state.feats, positions,
-                                           state.cache.with_length(state.committed), causal_mask(w))
-        root = (n_tokens_B - 2 - state.committed)[:, None, None]  # the slot that predicts after the pending token
+        logits, feats, cache = eagle_apply(
+            self.graphdef,
+            params,
+            tokens,
+            state.feats,
+            positions,
+            state.cache.with_length(state.committed),
+            causal_mask(w),
+        )
+        root = (n_tokens_B - 2 - state.committed)[
+            :, None, None
+        ]  # the slot that predicts after the pending token
         root_logits = jnp.take_along_axis(logits, root, axis=1)[:, 0]
         root_feat = jnp.take_along_axis(feats, root, axis=1)[:, 0]
         cache = cache.with_length(n_tokens_B - 1)
-        draft, cache = search.search(self._step(params), self.sampler, self.k, self.tree, root_logits, root_feat,
-                                     n_tokens_B - 1, cache, key)
+        draft, cache = search.search(
+            self._step(params),
+            self.sampler,
+            self.k,
+            self.tree,
+            root_logits,
+            root_feat,
+            n_tokens_B - 1,
+            cache,
+            key,
+        )
         return draft, EagleState(cache, state.feats, n_tokens_B - 1)
 
     def commit(self, params, state: EagleState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):

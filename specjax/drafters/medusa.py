@@ -28,7 +28,9 @@ class MedusaHeads(nnx.Module):
 
     def __call__(self, feats_xH: jax.Array) -> jax.Array:
         """Logits `[..., num_heads, V]` (float32) from target features `[..., H]`."""
-        x = jnp.broadcast_to(feats_xH[..., None, :], feats_xH.shape[:-1] + self.w.shape[:1] + feats_xH.shape[-1:])
+        x = jnp.broadcast_to(
+            feats_xH[..., None, :], feats_xH.shape[:-1] + self.w.shape[:1] + feats_xH.shape[-1:]
+        )
         for layer in range(self.w.shape[1]):
             x = x + jax.nn.silu(jnp.einsum("...ni,noi->...no", x, self.w[:, layer]) + self.b[:, layer])
         return jnp.einsum("...ni,nvi->...nv", x, self.proj[...]).astype(jnp.float32)
@@ -58,13 +60,17 @@ class Medusa:
 
     def __post_init__(self):
         if isinstance(self.tree, DynamicTree):
-            raise ValueError("Medusa drafts static trees only (its candidates do not depend on their parents); "
-                             "use a preset or explicit paths, or EAGLE for dynamic trees")
+            raise ValueError(
+                "Medusa drafts static trees only (its candidates do not depend on their parents); "
+                "use a preset or explicit paths, or EAGLE for dynamic trees"
+            )
         if self.tree is not None and self.k != self.tree.depth:
             raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
         if not 1 <= self.k <= self.num_heads:
-            raise ValueError(f"Medusa with {self.num_heads} heads drafts 1..{self.num_heads} tokens deep; got "
-                             f"k={self.k}: lower k, use a shallower tree, or train more heads")
+            raise ValueError(
+                f"Medusa with {self.num_heads} heads drafts 1..{self.num_heads} tokens deep; got "
+                f"k={self.k}: lower k, use a shallower tree, or train more heads"
+            )
 
     @property
     def slack(self) -> int:
@@ -72,9 +78,11 @@ class Medusa:
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if (self.vocab_size, self.dim) != (target_cfg.vocab_size, target_cfg.dim):
-            raise ValueError(f"Medusa heads for vocabulary {self.vocab_size} and width {self.dim} cannot serve a "
-                             f"target with vocabulary {target_cfg.vocab_size} and width {target_cfg.dim}: "
-                             "train heads for this target")
+            raise ValueError(
+                f"Medusa heads for vocabulary {self.vocab_size} and width {self.dim} cannot serve a "
+                f"target with vocabulary {target_cfg.vocab_size} and width {target_cfg.dim}: "
+                "train heads for this target"
+            )
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
         return jnp.take_along_axis(feats_BPH, (lengths_B - 1)[:, None, None], axis=1)[:, 0]

@@ -20,13 +20,18 @@ from specjax.models.llama import causal_mask
 from specjax.sampling import argmax, inverse_cdf
 from specjax.trees import DynamicTree, Tree, TreeLayout
 
-take = lambda ctx, idx_BN: jax.tree.map(lambda c: jnp.take_along_axis(  # ctx rows idx along axis 1
-    c, idx_BN.reshape(idx_BN.shape + (1,) * (c.ndim - 2)), axis=1), ctx)
+take = lambda ctx, idx_BN: jax.tree.map(
+    lambda c: jnp.take_along_axis(  # ctx rows idx along axis 1
+        c, idx_BN.reshape(idx_BN.shape + (1,) * (c.ndim - 2)), axis=1
+    ),
+    ctx,
+)
 
 
 def chain(step, sampler, k: int, root_logits_BV, root_ctx, pos0_B, cache, key):
     """K tokens, each drawn by `sampler` from the drafter's output at the previous one (a `lax.scan`: unrolled,
     the round measured slower on XLA CPU). The K uniforms per row come from one PRNG call."""
+
     def draw(u_B, logits_BV):  # (token, its warped distribution q, or None when greedy)
         if sampler.greedy:
             return argmax(logits_BV), None
@@ -42,8 +47,9 @@ def chain(step, sampler, k: int, root_logits_BV, root_ctx, pos0_B, cache, key):
     u = None if sampler.greedy else jax.random.uniform(key, (k, root_logits_BV.shape[0]))
     first, q0 = draw(None if u is None else u[0], root_logits_BV)
     ctx = jax.tree.map(lambda c: c[:, None], root_ctx)
-    (_, _, _, cache), (rest, rest_q) = jax.lax.scan(one, (first, ctx, 0, cache), None if u is None else u[1:],
-                                                    length=k - 1)
+    (_, _, _, cache), (rest, rest_q) = jax.lax.scan(
+        one, (first, ctx, 0, cache), None if u is None else u[1:], length=k - 1
+    )
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     q = None if sampler.greedy else jnp.concatenate([q0[:, None], rest_q.swapaxes(0, 1)], axis=1)
     return Draft(tokens, q), cache
@@ -73,8 +79,9 @@ def static_tree(step, sampler, tree: Tree, root_logits_BV, root_ctx, pos0_B, cac
             window = int(nodes[-1])  # nodes 1..window are written after the committed region
             positions = pos0_B[:, None] - 1 + jnp.asarray(arr.depth[nodes])[None]
             ctx = jax.tree.map(lambda c: c[:, parent_slot], level_ctx)
-            level_logits, level_ctx, cache = step(cache, tokens[:, nodes], positions,
-                                                  jnp.asarray(arr.mask[nodes][:, 1: window + 1]), ctx)
+            level_logits, level_ctx, cache = step(
+                cache, tokens[:, nodes], positions, jnp.asarray(arr.mask[nodes][:, 1 : window + 1]), ctx
+            )
     q = None if q is None else q[:, 1:]
     return Draft(tokens[:, 1:], q, TreeLayout.from_tree(tree, batch), q is not None), cache
 
@@ -91,8 +98,9 @@ def dynamic_tree(step, tree: DynamicTree, root_logits_BV, root_ctx, pos0_B, cach
     sees = jnp.broadcast_to(jnp.eye(k, dtype=bool), (batch, k, k))
     ctx = jax.tree.map(lambda c: jnp.repeat(c[:, None], k, axis=1), root_ctx)
     for d in range(2, depth + 1):  # feed the frontier (depth d - 1), expand its children
-        logits, ctx_out, cache = step(cache, token, jnp.broadcast_to((pos0_B + d - 2)[:, None], token.shape),
-                                      sees, ctx)
+        logits, ctx_out, cache = step(
+            cache, token, jnp.broadcast_to((pos0_B + d - 2)[:, None], token.shape), sees, ctx
+        )
         child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, k, k]
         child_score = (score[:, :, None] + child_score).reshape(batch, k * k)
         child_token = child_token.reshape(batch, k * k)
@@ -105,15 +113,25 @@ def dynamic_tree(step, tree: DynamicTree, root_logits_BV, root_ctx, pos0_B, cach
         frontier_id = base + best
         ctx = take(ctx_out, best // k)
         parent_rows = jnp.take_along_axis(sees, (best // k)[:, :, None], axis=1)  # [B, k, (d-1) k]
-        sees = jnp.concatenate([jnp.pad(sees, ((0, 0), (0, 0), (0, k))),
-                                jnp.concatenate([parent_rows, jnp.broadcast_to(jnp.eye(k, dtype=bool),
-                                                                               (batch, k, k))], axis=2)], axis=1)
+        sees = jnp.concatenate(
+            [
+                jnp.pad(sees, ((0, 0), (0, 0), (0, k))),
+                jnp.concatenate(
+                    [parent_rows, jnp.broadcast_to(jnp.eye(k, dtype=bool), (batch, k, k))], axis=2
+                ),
+            ],
+            axis=1,
+        )
         sees = sees[:, -k:]  # rows of the new frontier over all fed nodes
     cand_token, cand_parent = jnp.concatenate(cand_token, 1), jnp.concatenate(cand_parent, 1)
-    cand_depth = jnp.concatenate([jnp.full((batch, c.shape[1]), d + 1) for d, c in enumerate(cand_score)], 1)
+    cand_depth = jnp.concatenate(
+        [jnp.full((batch, c.shape[1]), d + 1) for d, c in enumerate(cand_score)], 1
+    )
     cand_score = jnp.concatenate(cand_score, 1) - 1e-6 * cand_depth  # a parent always outranks its children
     chosen = jnp.sort(jax.lax.top_k(cand_score, n)[1], axis=1)  # ids ascending: parents before children
-    node_of = jnp.zeros_like(cand_token).at[jnp.arange(batch)[:, None], chosen].set(jnp.arange(1, n + 1)[None])
+    node_of = (
+        jnp.zeros_like(cand_token).at[jnp.arange(batch)[:, None], chosen].set(jnp.arange(1, n + 1)[None])
+    )
     parent = jnp.take_along_axis(cand_parent, chosen, axis=1)
     parent_node = jnp.where(parent < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(parent, 0), axis=1))
     layout = TreeLayout.from_parents(jnp.pad(parent_node, ((0, 0), (1, 0))), depth, k)

@@ -45,12 +45,14 @@ class LlamaConfig:
             raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
-                raise ConfigError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+                raise ConfigError(
+                    f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim"
+                )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
-    def replace(self, **changes) -> "LlamaConfig":
+    def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
 
     def inv_freq(self) -> np.ndarray:
@@ -77,12 +79,13 @@ class LlamaConfig:
         return self.vocab_size * d + self.n_layers * (attn + mlp + 2 * d) + d + head
 
     @classmethod
-    def from_hf(cls, hf: dict, dtype: str = "float32") -> "LlamaConfig":
+    def from_hf(cls, hf: dict, dtype: str = "float32") -> LlamaConfig:
         """Parses a Hugging Face `config.json` dict; refuses what the decoder cannot run exactly."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         max_pos = int(hf.get("max_position_embeddings", 2048))
         if model_type == "mistral" or (model_type == "qwen2" and hf.get("use_sliding_window")):
             window = hf.get("sliding_window")
@@ -90,22 +93,32 @@ class LlamaConfig:
                 raise ConfigError(
                     f"this {model_type} config needs sliding-window attention (sliding_window={window} < "
                     f"max_position_embeddings={max_pos}), which specjax does not implement; set "
-                    "sliding_window to null if the model was trained with full attention")
+                    "sliding_window to null if the model was trained with full attention"
+                )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; Llama-family models use 'silu'")
+            raise ConfigError(
+                f"hidden_act {hf['hidden_act']!r} is not supported; Llama-family models use 'silu'"
+            )
         if hf.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported by the specjax Llama decoder")
         rope = dict(hf.get("rope_parameters") or {})
-        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope_scaling = hf.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         llama3 = None
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind != "llama3":
-                raise ConfigError(f"rope scaling {kind!r} is not supported; supported: none (default) and 'llama3'")
-            llama3 = (float(rope_scaling["factor"]), float(rope_scaling["low_freq_factor"]),
-                      float(rope_scaling["high_freq_factor"]),
-                      int(rope_scaling["original_max_position_embeddings"]))
+                raise ConfigError(
+                    f"rope scaling {kind!r} is not supported; supported: none (default) and 'llama3'"
+                )
+            llama3 = (
+                float(rope_scaling["factor"]),
+                float(rope_scaling["low_freq_factor"]),
+                float(rope_scaling["high_freq_factor"]),
+                int(rope_scaling["original_max_position_embeddings"]),
+            )
         bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id", 2)
         return cls(
@@ -132,17 +145,31 @@ class LlamaConfig:
         """The equivalent Hugging Face `LlamaConfig`/`Qwen2Config` dict (for reference models in tests)."""
         hf = dict(
             model_type="qwen2" if (self.qkv_bias and not self.o_bias) else "llama",
-            vocab_size=self.vocab_size, hidden_size=self.dim, num_hidden_layers=self.n_layers,
-            num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
-            intermediate_size=self.hidden_dim, head_dim=self.head_dim, rms_norm_eps=self.norm_eps,
-            max_position_embeddings=self.max_seq_len, tie_word_embeddings=self.tie_embeddings,
-            bos_token_id=self.bos_id, eos_token_id=self.eos_id, hidden_act="silu",
+            vocab_size=self.vocab_size,
+            hidden_size=self.dim,
+            num_hidden_layers=self.n_layers,
+            num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads,
+            intermediate_size=self.hidden_dim,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.norm_eps,
+            max_position_embeddings=self.max_seq_len,
+            tie_word_embeddings=self.tie_embeddings,
+            bos_token_id=self.bos_id,
+            eos_token_id=self.eos_id,
+            hidden_act="silu",
         )
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_llama3_scaling is not None:
             f, lo, hi, old = self.rope_llama3_scaling
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": f, "low_freq_factor": lo,
-                    "high_freq_factor": hi, "original_max_position_embeddings": old}
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_theta,
+                "factor": f,
+                "low_freq_factor": lo,
+                "high_freq_factor": hi,
+                "original_max_position_embeddings": old,
+            }
         hf["rope_parameters"] = rope
         if hf["model_type"] == "llama":
             hf["attention_bias"] = self.qkv_bias

@@ -54,18 +54,22 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rope_table(inv_freq: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(cos, sin) [size, D/2] of the rotary angles at positions 0..size-1 (float32 angles, as in transformers)."""
     angles = np.arange(size, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]
-    return np.cos(angles, dtype=np.float64).astype(np.float32), np.sin(angles, dtype=np.float64).astype(np.float32)
+    return np.cos(angles, dtype=np.float64).astype(np.float32), np.sin(angles, dtype=np.float64).astype(
+        np.float32
+    )
 
 
 def rope_angles(inv_freq: tuple[float, ...], positions_BT, size: int):
     """(cos, sin) [B, T, D/2] at `positions_BT` (< `size`, else NaN), looked up in `rope_table`: XLA CPU evaluates
     cos/sin inside every layer's RoPE fusion, which cost a 9-token decoding pass of stories260K 7-11%."""
-    return tuple(jnp.take(jnp.asarray(t), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
-                 for t in rope_table(inv_freq, size))
+    return tuple(
+        jnp.take(jnp.asarray(t), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
+        for t in rope_table(inv_freq, size)
+    )
 
 
 class Block(nnx.Module):
@@ -87,14 +91,16 @@ class Block(nnx.Module):
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(self.attn_norm(x_BTD))
         q = apply_rope(qkv[..., : h * hd].reshape(b, t, h, hd), cos, sin)
-        k = apply_rope(qkv[..., h * hd: (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
-        v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
+        k = apply_rope(qkv[..., h * hd : (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
+        v = qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd)
         cache = cache.write(self.layer, k.swapaxes(1, 2), v.swapaxes(1, 2), offset)
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B*kv, S, hd], [B*kv, hd, S]
-        g = h // kv  # query heads per kv head; (row, kv head) is the matmuls' batch axis, (group, token) their rows
+        g = (
+            h // kv
+        )  # query heads per kv head; (row, kv head) is the matmuls' batch axis, (group, token) their rows
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
         scores = jnp.einsum("xqd,xsd->xqs", q, k_all, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kv, g, t, -1) * (hd ** -0.5)
+        scores = scores.reshape(b, kv, g, t, -1) * (hd**-0.5)
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype).reshape(b * kv, g * t, -1)
         attn = jnp.einsum("xqs,xds->xqd", probs, v_all).reshape(b, kv, g, t, hd)
@@ -109,8 +115,14 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=dt, param_dtype=dt, rngs=rngs,
-                               embedding_init=nnx.initializers.normal(0.02))
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.dim,
+            dtype=dt,
+            param_dtype=dt,
+            rngs=rngs,
+            embedding_init=nnx.initializers.normal(0.02),
+        )
         self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, dt, rngs)
@@ -133,7 +145,9 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32), Hidden(final, tuple(tapped)), cache
 
 
-def forward(graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
+def forward(
+    graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()
+):
     """Pure forward: `(logits[B,T,V] float32, Hidden, cache with the T new keys/values written)`.
 
     Every token sees the committed cache. `mask_BTW` ([T, W] or [B, T, W], bool, W >= T) says which

@@ -39,7 +39,11 @@ def resolve(name: str | None = None) -> Path:
     if Path(name).expanduser().exists():
         return Path(name).expanduser().absolute()
     if name == DEFAULT_MODEL:
-        roots = [os.environ.get("SPECJAX_MODELS"), REPO_ROOT.parent / "shared" / "models", Path("../shared/models")]
+        roots = [
+            os.environ.get("SPECJAX_MODELS"),
+            REPO_ROOT.parent / "shared" / "models",
+            Path("../shared/models"),
+        ]
         for root in filter(None, roots):
             if (Path(root) / name).exists():
                 return (Path(root) / name).absolute()
@@ -54,7 +58,9 @@ def _download(repo: str, files: tuple[str, ...] | None, name: str) -> Path:
         import huggingface_hub as hub
 
         if files is None:
-            return Path(hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"]))
+            return Path(
+                hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"])
+            )
         local = [hub.hf_hub_download(repo, f) for f in files]
         return Path(local[0]).parent
     except Exception as err:  # offline, unknown repo, no permission
@@ -62,7 +68,8 @@ def _download(repo: str, files: tuple[str, ...] | None, name: str) -> Path:
             f"model {name!r} was not found locally and could not be downloaded from the Hugging Face hub "
             f"repository {repo!r} ({type(err).__name__}). Put the files in a directory and pass its path, or set "
             f"SPECJAX_MODELS to a folder holding {name}/ (for stories260K: {', '.join(HUB_FILES)} from "
-            f"{HUB_REPO}).") from err
+            f"{HUB_REPO})."
+        ) from err
 
 
 def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
@@ -77,8 +84,10 @@ def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     else:
         raise CheckpointError(f"no tokenizer (tokenizer.json, *.model or tok*.bin) found in {folder}")
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer in {folder} has {tok.vocab_size} tokens but the model's vocabulary is "
-                         f"{vocab_size}: they do not belong together")
+        raise ValueError(
+            f"tokenizer in {folder} has {tok.vocab_size} tokens but the model's vocabulary is "
+            f"{vocab_size}: they do not belong together"
+        )
     return tok
 
 
@@ -93,9 +102,15 @@ def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
         cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()), dtype)
         graphdef, params = params_from_hf(cfg, read_safetensors(path))
     else:
-        bins = [path] if path.is_file() else sorted(p for p in path.glob("*.bin") if not p.name.startswith("tok"))
+        bins = (
+            [path]
+            if path.is_file()
+            else sorted(p for p in path.glob("*.bin") if not p.name.startswith("tok"))
+        )
         if not bins:
-            raise CheckpointError(f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint")
+            raise CheckpointError(
+                f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint"
+            )
         tok_folder = bins[0].parent
         cfg, graphdef, params = read_llama2c(bins[0], dtype)
     return LoadedModel(cfg, graphdef, params, load_tokenizer(tok_folder, cfg.vocab_size), path)
@@ -105,5 +120,8 @@ def tokenizer_files(path: Path) -> list[Path]:
     """The tokenizer files of a model directory or llama2.c checkpoint (for copying into a checkpoint)."""
     folder = path if path.is_dir() else path.parent
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-    return [folder / n for n in names if (folder / n).exists()] + sorted(folder.glob("*.model")) + sorted(
-        folder.glob("tok*.bin"))
+    return (
+        [folder / n for n in names if (folder / n).exists()]
+        + sorted(folder.glob("*.model"))
+        + sorted(folder.glob("tok*.bin"))
+    )

@@ -26,12 +26,16 @@ def build_params(cfg: LlamaConfig, pure: dict):
     missing = sorted(set(expected) - set(given), key=str)
     extra = sorted(set(given) - set(expected), key=str)
     if missing or extra:
-        raise CheckpointError(f"parameter names do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise CheckpointError(
+            f"parameter names do not match the config: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     leaves = {}
     for path, spec in expected.items():
         if tuple(given[path].shape) != tuple(spec.shape):
-            raise CheckpointError(f"parameter {'/'.join(map(str, path))} has shape {given[path].shape}, "
-                                  f"the config needs {spec.shape}")
+            raise CheckpointError(
+                f"parameter {'/'.join(map(str, path))} has shape {given[path].shape}, "
+                f"the config needs {spec.shape}"
+            )
         leaves[path] = jnp.asarray(given[path], dtype=spec.dtype)
     params = nnx.from_flat_state({p: v.replace(leaves[p]) for p, v in nnx.to_flat_state(abstract)})
     return graphdef, params
@@ -71,6 +75,7 @@ def _assemble(cfg: LlamaConfig, embed, layers, norm, lm_head):
 
 # --- Hugging Face safetensors ------------------------------------------------------------------
 
+
 def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
     """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`, as numpy."""
     from safetensors.numpy import load_file
@@ -81,8 +86,10 @@ def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
     elif (model_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
-        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}; "
-                              "download the model's weights in safetensors format")
+        raise CheckpointError(
+            f"no model.safetensors or model.safetensors.index.json in {model_dir}; "
+            "download the model's weights in safetensors format"
+        )
     tensors = {}
     for name in files:
         path = model_dir / name
@@ -91,7 +98,9 @@ def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
         try:
             tensors.update(load_file(str(path)))
         except Exception as err:  # safetensors raises several types on damaged files
-            raise CheckpointError(f"weight file {path} is corrupt or truncated ({err}); download it again") from err
+            raise CheckpointError(
+                f"weight file {path} is corrupt or truncated ({err}); download it again"
+            ) from err
     return tensors
 
 
@@ -108,14 +117,25 @@ def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         bias = [get(a + f"{n}_proj.bias") for n in "qkv"] if cfg.qkv_bias else None
-        layers.append(_layer(
-            get(p + "input_layernorm.weight"), get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-            get(a + "v_proj.weight"), get(a + "o_proj.weight"), get(p + "post_attention_layernorm.weight"),
-            get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"), get(p + "mlp.down_proj.weight"),
-            bias, get(a + "o_proj.bias") if cfg.o_bias else None))
+        layers.append(
+            _layer(
+                get(p + "input_layernorm.weight"),
+                get(a + "q_proj.weight"),
+                get(a + "k_proj.weight"),
+                get(a + "v_proj.weight"),
+                get(a + "o_proj.weight"),
+                get(p + "post_attention_layernorm.weight"),
+                get(p + "mlp.gate_proj.weight"),
+                get(p + "mlp.up_proj.weight"),
+                get(p + "mlp.down_proj.weight"),
+                bias,
+                get(a + "o_proj.bias") if cfg.o_bias else None,
+            )
+        )
     lm_head = None if cfg.tie_embeddings else get("lm_head.weight")
-    return build_params(cfg, _assemble(cfg, get("model.embed_tokens.weight"), layers, get("model.norm.weight"),
-                                       lm_head))
+    return build_params(
+        cfg, _assemble(cfg, get("model.embed_tokens.weight"), layers, get("model.norm.weight"), lm_head)
+    )
 
 
 # --- llama.c legacy (version 0) -----------------------------------------------------------------
@@ -126,7 +146,11 @@ LLAMA2C_HEADER = 7 * 4
 def _unpermute_meta(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Meta's interleaved-pair RoPE rows -> rotate-half rows (as the official HF conversion does)."""
     out_dim, in_dim = w.shape
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(0, 2, 1, 3).reshape(out_dim, in_dim)
+    return (
+        w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim)
+        .transpose(0, 2, 1, 3)
+        .reshape(out_dim, in_dim)
+    )
 
 
 def read_llama2c(path: Path, dtype: str = "float32"):
@@ -137,34 +161,68 @@ def read_llama2c(path: Path, dtype: str = "float32"):
     if len(raw) < LLAMA2C_HEADER:
         raise CheckpointError(f"llama2.c checkpoint {path} is truncated (only {len(raw)} bytes)")
     if raw[:4] == b"42ka":  # b'ak42' magic, little-endian
-        raise CheckpointError(f"{path} is a versioned llama2.c export; re-export it with llama2.c's legacy_export")
+        raise CheckpointError(
+            f"{path} is a versioned llama2.c export; re-export it with llama2.c's legacy_export"
+        )
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = pystruct.unpack("7i", raw[:LLAMA2C_HEADER])
     shared = vocab > 0
     vocab = abs(vocab)
     if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads:
         raise CheckpointError(f"{path} does not start with a valid llama2.c header")
-    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-                      hidden_dim=hidden, max_seq_len=seq_len, tie_embeddings=shared, dtype=dtype)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        hidden_dim=hidden,
+        max_seq_len=seq_len,
+        tie_embeddings=shared,
+        dtype=dtype,
+    )
     hd, kv_dim = cfg.head_dim, n_kv * cfg.head_dim
-    shapes = [("embed", (vocab, dim)), ("rms_att", (n_layers, dim)), ("wq", (n_layers, dim, dim)),
-              ("wk", (n_layers, kv_dim, dim)), ("wv", (n_layers, kv_dim, dim)), ("wo", (n_layers, dim, dim)),
-              ("rms_ffn", (n_layers, dim)), ("w1", (n_layers, hidden, dim)), ("w2", (n_layers, dim, hidden)),
-              ("w3", (n_layers, hidden, dim)), ("rms_final", (dim,)), ("freq_real", (seq_len, hd // 2)),
-              ("freq_imag", (seq_len, hd // 2))]
+    shapes = [
+        ("embed", (vocab, dim)),
+        ("rms_att", (n_layers, dim)),
+        ("wq", (n_layers, dim, dim)),
+        ("wk", (n_layers, kv_dim, dim)),
+        ("wv", (n_layers, kv_dim, dim)),
+        ("wo", (n_layers, dim, dim)),
+        ("rms_ffn", (n_layers, dim)),
+        ("w1", (n_layers, hidden, dim)),
+        ("w2", (n_layers, dim, hidden)),
+        ("w3", (n_layers, hidden, dim)),
+        ("rms_final", (dim,)),
+        ("freq_real", (seq_len, hd // 2)),
+        ("freq_imag", (seq_len, hd // 2)),
+    ]
     if not shared:
         shapes.append(("wcls", (vocab, dim)))
     need = LLAMA2C_HEADER + 4 * sum(int(np.prod(s)) for _, s in shapes)
     if len(raw) != need:
-        raise CheckpointError(f"llama2.c checkpoint {path} has {len(raw)} bytes, its header implies {need}: "
-                              "the file is truncated or corrupt")
+        raise CheckpointError(
+            f"llama2.c checkpoint {path} has {len(raw)} bytes, its header implies {need}: "
+            "the file is truncated or corrupt"
+        )
     flat = np.frombuffer(raw, np.float32, offset=LLAMA2C_HEADER)
     t, offset = {}, 0
     for name, shape in shapes:
         n = int(np.prod(shape))
-        t[name] = flat[offset: offset + n].reshape(shape)
+        t[name] = flat[offset : offset + n].reshape(shape)
         offset += n
-    layers = [_layer(t["rms_att"][i], _unpermute_meta(t["wq"][i], n_heads), _unpermute_meta(t["wk"][i], n_kv),
-                     t["wv"][i], t["wo"][i], t["rms_ffn"][i], t["w1"][i], t["w3"][i], t["w2"][i])
-              for i in range(n_layers)]
+    layers = [
+        _layer(
+            t["rms_att"][i],
+            _unpermute_meta(t["wq"][i], n_heads),
+            _unpermute_meta(t["wk"][i], n_kv),
+            t["wv"][i],
+            t["wo"][i],
+            t["rms_ffn"][i],
+            t["w1"][i],
+            t["w3"][i],
+            t["w2"][i],
+        )
+        for i in range(n_layers)
+    ]
     graphdef, params = build_params(cfg, _assemble(cfg, t["embed"], layers, t["rms_final"], t.get("wcls")))
     return cfg, graphdef, params

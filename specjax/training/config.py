@@ -17,9 +17,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.data.num_samples = 2048  # self-distillation: documents sampled from the target
     c.data.sample_len = 256  # ... of at most this many tokens after BOS
     c.data.temperature = 1.0  # ... at this temperature
-    c.data.cache = "checkpoints/stories260K_corpus.npy"  # packed tokens, built once ("" = rebuild every run)
+    c.data.cache = (
+        "checkpoints/stories260K_corpus.npy"  # packed tokens, built once ("" = rebuild every run)
+    )
     c.data.seq_len = 128
-    c.data.features = "online"  # "online": the target runs inside the train step; "store": precomputed on disk
+    c.data.features = (
+        "online"  # "online": the target runs inside the train step; "store": precomputed on disk
+    )
     c.data.store = ""  # feature-store folder for features = "store"
 
     c.heads = ml_collections.ConfigDict()

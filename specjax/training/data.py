@@ -38,8 +38,9 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
                 record = json.loads(line)
                 text = record["text"] if "text" in record else record["prompt"] + record["response"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or 'prompt' and 'response' "
-                                 f"({err})") from err
+                raise ValueError(
+                    f"{path}:{n}: expected a JSON object with 'text' or 'prompt' and 'response' ({err})"
+                ) from err
         else:
             text = line
         docs.append(tokenizer.encode(text))
@@ -55,12 +56,22 @@ def pack(docs: list[list[int]], seq_len: int) -> np.ndarray:
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
-def self_distill(cfg, graphdef, params, bos_id: int, eos_id: int, n_samples: int, max_len: int,
-                 temperature: float, seed: int, batch: int = 64) -> list[list[int]]:
+def self_distill(
+    cfg,
+    graphdef,
+    params,
+    bos_id: int,
+    eos_id: int,
+    n_samples: int,
+    max_len: int,
+    temperature: float,
+    seed: int,
+    batch: int = 64,
+) -> list[list[int]]:
     """`n_samples` documents sampled from the target (BOS, then up to `max_len` tokens, ending at EOS)."""
     spec = GenerateSpec(max_len, Sampler(temperature), eos_id=eos_id)
     docs = []
-    for i, start in enumerate(range(0, n_samples, batch)):
+    for i, _start in enumerate(range(0, n_samples, batch)):
         out = generate(cfg, graphdef, params, [[bos_id]] * batch, spec, seed=seed + i)
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         docs += [[bos_id] + tokens[r, : lengths[r]].tolist() for r in range(batch)]
@@ -74,19 +85,32 @@ def load_corpus(config, target, tokenizer) -> np.ndarray:
     if cache is not None and cache.exists():
         tokens = np.load(cache)
         if tokens.ndim != 2 or tokens.shape[1] != d.seq_len:
-            raise ValueError(f"cached corpus {cache} has shape {tokens.shape}, not [N, {d.seq_len}]: delete it or "
-                             "point data.cache elsewhere")
+            raise ValueError(
+                f"cached corpus {cache} has shape {tokens.shape}, not [N, {d.seq_len}]: delete it or "
+                "point data.cache elsewhere"
+            )
         return tokens
     if d.source == "self_distill":
         cfg, graphdef, params = target
-        docs = self_distill(cfg, graphdef, params, tokenizer.bos_id, tokenizer.eos_id, d.num_samples,
-                            d.sample_len, d.temperature, config.seed)
+        docs = self_distill(
+            cfg,
+            graphdef,
+            params,
+            tokenizer.bos_id,
+            tokenizer.eos_id,
+            d.num_samples,
+            d.sample_len,
+            d.temperature,
+            config.seed,
+        )
     else:
         docs = read_documents(d.source, tokenizer)
     tokens = pack(docs, d.seq_len)
     if tokens.max() >= target[0].vocab_size:
-        raise ValueError(f"the corpus holds token id {tokens.max()} >= the target's vocabulary "
-                         f"{target[0].vocab_size}: the tokenizer does not belong to the target")
+        raise ValueError(
+            f"the corpus holds token id {tokens.max()} >= the target's vocabulary "
+            f"{target[0].vocab_size}: the tokenizer does not belong to the target"
+        )
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         _save_npy(cache, tokens)
@@ -110,8 +134,9 @@ def batch_indices(position: int, batch: int, n: int, seed: int) -> np.ndarray:
 MANIFEST = "manifest.json"
 
 
-def build_feature_store(folder: str | Path, tokens_NT: np.ndarray, features_fn, shard_size: int = 256,
-                        dtype: str = "float32") -> dict:
+def build_feature_store(
+    folder: str | Path, tokens_NT: np.ndarray, features_fn, shard_size: int = 256, dtype: str = "float32"
+) -> dict:
     """Writes the target's features of every sequence into shards `features_XXXXX.npy` ([n, T, H]) next to
     `tokens.npy`, then `manifest.json` last (a store without a manifest is incomplete). `features_fn(tokens)`
     returns `[n, T, H]`. Returns the manifest, including the bytes of storage per training token."""
@@ -120,13 +145,19 @@ def build_feature_store(folder: str | Path, tokens_NT: np.ndarray, features_fn, 
     _save_npy(folder / "tokens.npy", tokens_NT)
     shards = []
     for i, start in enumerate(range(0, len(tokens_NT), shard_size)):
-        feats = np.asarray(features_fn(tokens_NT[start: start + shard_size])).astype(dtype)
+        feats = np.asarray(features_fn(tokens_NT[start : start + shard_size])).astype(dtype)
         name = f"features_{i:05d}.npy"
         _save_npy(folder / name, feats)
         shards.append({"file": name, "rows": int(feats.shape[0])})
     dim = int(feats.shape[-1])
-    manifest = {"rows": int(len(tokens_NT)), "seq_len": int(tokens_NT.shape[1]), "dim": dim, "dtype": dtype,
-                "shards": shards, "bytes_per_token": dim * np.dtype(dtype).itemsize + 4}
+    manifest = {
+        "rows": int(len(tokens_NT)),
+        "seq_len": int(tokens_NT.shape[1]),
+        "dim": dim,
+        "dtype": dtype,
+        "shards": shards,
+        "bytes_per_token": dim * np.dtype(dtype).itemsize + 4,
+    }
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -139,8 +170,9 @@ class FeatureStore:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         if not (folder / MANIFEST).exists():
-            raise FileNotFoundError(f"{folder} has no {MANIFEST}: the feature store is missing or was not finished; "
-                                    "rebuild it")
+            raise FileNotFoundError(
+                f"{folder} has no {MANIFEST}: the feature store is missing or was not finished; rebuild it"
+            )
         self.manifest = json.loads((folder / MANIFEST).read_text())
         self.tokens = np.load(folder / "tokens.npy")
         self.shards = [np.load(folder / s["file"], mmap_mode="r") for s in self.manifest["shards"]]
@@ -148,4 +180,6 @@ class FeatureStore:
 
     def features(self, rows: np.ndarray) -> np.ndarray:
         shard = np.searchsorted(self.starts, rows, side="right") - 1
-        return np.stack([self.shards[s][r - self.starts[s]] for s, r in zip(shard, rows)]).astype(np.float32)
+        return np.stack([self.shards[s][r - self.starts[s]] for s, r in zip(shard, rows)]).astype(
+            np.float32
+        )

@@ -36,9 +36,12 @@ def medusa_loss(graphdef, params, feats_BTH, tokens_BT, decay: float):
         shift = i + 2
         head_logits, labels = logits[:, : t - shift, i], tokens_BT[:, shift:]
         ce = jnp.mean(_cross_entropy(head_logits, labels))
-        loss = loss + decay ** i * ce
-        metrics |= {f"head{i}_ce": ce, f"head{i}_top1": jnp.mean(_in_top(head_logits, labels, 1)),
-                    f"head{i}_top5": jnp.mean(_in_top(head_logits, labels, 5))}
+        loss = loss + decay**i * ce
+        metrics |= {
+            f"head{i}_ce": ce,
+            f"head{i}_top1": jnp.mean(_in_top(head_logits, labels, 1)),
+            f"head{i}_top5": jnp.mean(_in_top(head_logits, labels, 5)),
+        }
     return loss, metrics | {"loss": loss}
 
 
@@ -55,7 +58,9 @@ def eagle_loss(graphdef, layer_cfg, params, feats_BTH, tokens_BT, key, noise: fl
     inputs = feats_BTH[:, :-1] + noise * (jax.random.uniform(key, feats_BTH[:, :-1].shape) - 0.5)
     positions = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
     cache = init_cache(layer_cfg, b, t - 1)
-    logits, predicted, _ = eagle_apply(graphdef, params, tokens_BT[:, 1:], inputs, positions, cache, causal_mask(t - 1))
+    logits, predicted, _ = eagle_apply(
+        graphdef, params, tokens_BT[:, 1:], inputs, positions, cache, causal_mask(t - 1)
+    )
     true = feats_BTH[:, 1:]
     feature_loss = jnp.mean(smooth_l1(predicted, true))
     target_logits = jnp.einsum("btd,vd->btv", true, jax.lax.stop_gradient(params["unembed"]))

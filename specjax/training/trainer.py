@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from specjax import checkpoint, heads
 from specjax.drafters.eagle import layer_config
@@ -33,7 +34,9 @@ def make_mesh(n_data: int = -1, n_model: int = 1) -> Mesh:
     if n_data == -1:
         n_data = len(devices) // n_model
     if n_data < 1 or n_model < 1 or n_data * n_model > len(devices):
-        raise ValueError(f"mesh data={n_data} x model={n_model} needs more than the {len(devices)} devices here")
+        raise ValueError(
+            f"mesh data={n_data} x model={n_model} needs more than the {len(devices)} devices here"
+        )
     grid = np.array(devices[: n_data * n_model]).reshape(n_data, n_model)
     return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -51,17 +54,22 @@ def target_sharding(mesh: Mesh):
 
 def make_optimizer(opt, steps: int) -> optax.GradientTransformation:
     """AdamW with linear warmup then cosine decay, after clipping the global gradient norm."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, opt.lr, opt.warmup_steps, max(steps, opt.warmup_steps + 1),
-                                                  opt.lr * opt.final_lr_fraction)
-    return optax.chain(optax.clip_by_global_norm(opt.clip_norm),
-                       optax.adamw(schedule, opt.b1, opt.b2, weight_decay=opt.weight_decay))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, opt.lr, opt.warmup_steps, max(steps, opt.warmup_steps + 1), opt.lr * opt.final_lr_fraction
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(schedule, opt.b1, opt.b2, weight_decay=opt.weight_decay),
+    )
 
 
 def load_target(config, mesh: Mesh):
     path = Path(config.target).absolute()
     if not (path / checkpoint.MARKER).exists():
-        raise CheckpointError(f"target checkpoint {path} not found (no {checkpoint.MARKER}): convert the target "
-                              f"first, e.g. `python -m specjax.convert stories260K {config.target}`")
+        raise CheckpointError(
+            f"target checkpoint {path} not found (no {checkpoint.MARKER}): convert the target "
+            f"first, e.g. `python -m specjax.convert stories260K {config.target}`"
+        )
     cfg, graphdef, params = checkpoint.restore_model(path, sharding=target_sharding(mesh))
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
@@ -78,7 +86,9 @@ def loss_fn(meta: dict, config, graphdef, target):
         if meta["method"] == "medusa":
             return losses.medusa_loss(graphdef, params, feats, tokens, h.decay)
         full = heads.drafter_params(meta, params, cfg, target_params)
-        return losses.eagle_loss(graphdef, layer_config(cfg), full, feats, tokens, key, h.noise, h.ce_weight)
+        return losses.eagle_loss(
+            graphdef, layer_config(cfg), full, feats, tokens, key, h.noise, h.ce_weight
+        )
 
     return loss
 
@@ -89,7 +99,7 @@ class Logger:
     def __init__(self, workdir: Path):
         from tensorboardX import SummaryWriter
 
-        self.jsonl = open(workdir / "metrics.jsonl", "a")
+        self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed by close())
         self.tb = SummaryWriter(str(workdir / "tensorboard"))
 
     def __call__(self, step: int, metrics: dict) -> None:
@@ -105,7 +115,9 @@ class Logger:
         self.tb.close()
 
 
-def train(config, workdir: str | Path, stop_at: int | None = None, stop: threading.Event | None = None) -> dict:
+def train(
+    config, workdir: str | Path, stop_at: int | None = None, stop: threading.Event | None = None
+) -> dict:
     """Trains heads per `config` in `workdir`, resuming from its latest checkpoint; stops after step
     `config.train.steps` (or `stop_at`, for a time-sliced run), or after the step during which `stop` is set
     (preemption), saving that step. Returns the last logged metrics and timing."""
@@ -118,12 +130,17 @@ def train(config, workdir: str | Path, stop_at: int | None = None, stop: threadi
     mesh = make_mesh(config.mesh.data, config.mesh.model)
     n_data = mesh.shape["data"]
     if t.batch_size % n_data:
-        raise ValueError(f"train.batch_size {t.batch_size} must divide evenly over the {n_data} data-parallel "
-                         "devices; change one of them")
+        raise ValueError(
+            f"train.batch_size {t.batch_size} must divide evenly over the {n_data} data-parallel "
+            "devices; change one of them"
+        )
     target, tokenizer = load_target(config, mesh)
     cfg, _, target_params = target
-    shape = {"num_heads": config.heads.num_heads, "num_layers": config.heads.num_layers} \
-        if config.method == "medusa" else {}
+    shape = (
+        {"num_heads": config.heads.num_heads, "num_layers": config.heads.num_layers}
+        if config.method == "medusa"
+        else {}
+    )
     meta = heads.describe(config.method, shape, cfg)
     heads.write_meta(workdir, meta)
 
@@ -145,33 +162,58 @@ def train(config, workdir: str | Path, stop_at: int | None = None, stop: threadi
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, target_params, tokens, feats, key):
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, target_params, tokens, feats, key)
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
+            params, target_params, tokens, feats, key
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, metrics | {"grad_norm": optax.tree.norm(grads)}
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            metrics | {"grad_norm": optax.tree.norm(grads)},
+        )
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=t.keep_checkpoints, create=True,
-                                           enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
+    )
     manager = ocp.CheckpointManager(workdir / "checkpoints", options=options)
     step, position = 0, 0
     if manager.latest_step() is not None:
         step = manager.latest_step()
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                                             tree)
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree
+        )
         try:
-            restored = manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract(params)),
-                opt_state=ocp.args.StandardRestore(abstract(opt_state)), progress=ocp.args.JsonRestore()))
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract(params)),
+                    opt_state=ocp.args.StandardRestore(abstract(opt_state)),
+                    progress=ocp.args.JsonRestore(),
+                ),
+            )
         except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
-            raise CheckpointError(f"cannot resume from step {step} in {workdir / 'checkpoints'} ({type(err).__name__}: "
-                                  f"{str(err)[:300]}); the checkpoint is corrupt: delete that step directory to "
-                                  "resume from an earlier one") from err
-        params, opt_state, position = restored["params"], restored["opt_state"], restored["progress"]["position"]
+            raise CheckpointError(
+                f"cannot resume from step {step} in {workdir / 'checkpoints'} ({type(err).__name__}: "
+                f"{str(err)[:300]}); the checkpoint is corrupt: delete that step directory to "
+                "resume from an earlier one"
+            ) from err
+        params, opt_state, position = (
+            restored["params"],
+            restored["opt_state"],
+            restored["progress"]["position"],
+        )
         logging.info("resumed from step %d (data position %d) in %s", step, position, workdir)
 
     def save():
-        manager.save(step, force=True, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            progress=ocp.args.JsonSave({"step": step, "position": position})))
+        manager.save(
+            step,
+            force=True,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                progress=ocp.args.JsonSave({"step": step, "position": position}),
+            ),
+        )
 
     logger, last, end = Logger(workdir), {}, min(t.steps, stop_at or t.steps)
     stop = stop or threading.Event()  # never set: run to the end
@@ -210,6 +252,10 @@ def _feature_store(config, target, tokens):
     if not (folder / data.MANIFEST).exists():
         features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t))
         manifest = data.build_feature_store(folder, tokens, features)
-        logging.info("feature store %s: %d sequences, %d bytes per token", folder, manifest["rows"],
-                     manifest["bytes_per_token"])
+        logging.info(
+            "feature store %s: %d sequences, %d bytes per token",
+            folder,
+            manifest["rows"],
+            manifest["bytes_per_token"],
+        )
     return data.FeatureStore(folder)

@@ -1,0 +1,68 @@
+"""Test helpers shared by several test modules: models, prompts, the chi-square test, negative controls."""
+
+import numpy as np
+from conftest import STORIES_PROMPT, TINY
+from scipy.stats import chi2_contingency
+
+import specjax.decode as decode
+from specjax.decode import GenerateSpec, generate
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import init_params
+
+TARGET = init_params(TINY, seed=1)
+RANDOM_DRAFT_CFG = LlamaConfig(
+    vocab_size=97, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=24, max_seq_len=256
+)
+RAGGED = [[1, 5, 9], [1], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 7, 7, 7, 7]]
+
+
+def greedy_case(model, stories):
+    """(cfg, graphdef, params, ragged prompts, spec, greedy AR tokens) of the tiny model or stories260K."""
+    if model == "tiny":
+        cfg, (graphdef, params), prompts = TINY, TARGET, RAGGED
+    else:
+        cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+        prompts = [stories.tokenizer.encode(t) for t in (STORIES_PROMPT, "Lily", "The sun was hot and the")]
+    spec = GenerateSpec(40, eos_id=None)
+    return (
+        cfg,
+        graphdef,
+        params,
+        prompts,
+        spec,
+        np.asarray(generate(cfg, graphdef, params, prompts, spec).tokens),
+    )
+
+
+SMALL = LlamaConfig(
+    vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64
+)
+N_SAMPLES = 20_000
+
+
+def peaked(cfg, seed):
+    """Random weights with a scaled-up (untied) LM head, so next-token distributions are far from uniform."""
+    graphdef, params = init_params(cfg, seed)
+    params["lm_head"]["weight"].set_value(params["lm_head"]["weight"][...] * 60)
+    return graphdef, params
+
+
+def first_three(tokens):
+    return np.asarray(tokens[:, 0]) * 64 + np.asarray(tokens[:, 1]) * 8 + np.asarray(tokens[:, 2])
+
+
+def two_sample_pvalue(a, b):
+    counts = np.stack([np.bincount(a, minlength=512), np.bincount(b, minlength=512)])
+    big = counts.sum(0) >= 20
+    table = np.concatenate([counts[:, big], counts[:, ~big].sum(1, keepdims=True)], axis=1)
+    return chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+
+
+def run_patched(monkeypatch, name: str, replacement, run):
+    """`run()` with `name` (e.g. a piece of the acceptance rule) replaced, compiled afresh: negative controls."""
+    monkeypatch.setattr(name, replacement)
+    decode._speculative.clear_cache()
+    try:
+        return run()
+    finally:
+        decode._speculative.clear_cache()

@@ -5,15 +5,17 @@ python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
 python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
 """
 
-from pathlib import Path
+import dataclasses
+import os
+import sys
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 
-from specjax import heads
-from specjax.decode import GenerateSpec
-from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax import acceptance
+from specjax.decoding import GenerateSpec
+from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
 from specjax.runner import decode_texts
@@ -21,7 +23,6 @@ from specjax.sampling import Sampler
 from specjax.trees import parse_tree
 
 FLAGS = flags.FLAGS
-HEADS = Path(__file__).resolve().parent / "heads"
 flags.DEFINE_string(
     "model", None, "Model path, hub repo id, or None for stories260K (see specjax/models/loading.py)."
 )
@@ -34,20 +35,8 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
-flags.DEFINE_enum(
-    "drafter", "none", ["none", "draft_model", "medusa", "eagle"], "Draft source; none = plain AR decoding."
-)
 flags.DEFINE_string(
-    "draft_model", None, "Draft model path/name (default: the target truncated to --draft_layers)."
-)
-flags.DEFINE_integer(
-    "draft_layers", 1, "Layers of the truncated-target draft when --draft_model is not given."
-)
-flags.DEFINE_string(
-    "heads",
-    None,
-    "Medusa/EAGLE heads: the --workdir of a train_heads.py run (or an export of "
-    "one). Default: heads/stories260K_<drafter>.",
+    "drafter", "none", f"Draft source, one of {registry.names()}; none = plain AR decoding."
 )
 flags.DEFINE_integer("k", 4, "Draft tokens per round (chains; a tree sets it to its depth).")
 flags.DEFINE_string(
@@ -56,7 +45,26 @@ flags.DEFINE_string(
     "Draft a tree: a preset (chain4, balanced_2x3, medusa60), 'dynamic:TOP_K,DEPTH,TOTAL' "
     "or paths like '0;1;0,0'. Empty: a chain of --k tokens.",
 )
+flags.DEFINE_string(
+    "acceptance", acceptance.DEFAULT, f"Acceptance rule, one of {sorted(acceptance.RULES)}."
+)
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
+SPECULATIVE_FLAGS = {"k", "tree", "acceptance"}  # meaningful only with a drafter
+
+
+def define_drafter_flags() -> None:
+    """One flag per field of every registered drafter's settings (a field shared by drafters is one
+    flag); call again after registering a drafter to add its flags."""
+    kinds = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}
+    for name in registry.names():
+        entry = registry.get(name)
+        for field in dataclasses.fields(entry.settings):
+            if field.name not in FLAGS:
+                define = kinds.get(type(field.default), flags.DEFINE_string)
+                define(field.name, field.default, entry.help.get(field.name, f"{name} setting"))
+
+
+define_drafter_flags()
 
 
 def read_prompts() -> list[str]:
@@ -67,23 +75,27 @@ def read_prompts() -> list[str]:
     return prompts or ["Once upon a time"]
 
 
+def drafter_flags() -> set[str]:
+    return {f.name for n in registry.names() for f in dataclasses.fields(registry.get(n).settings)}
+
+
 def make_drafter(target, sampler):
+    """(drafter, its params) from the flags, or (None, None) for AR; a drafter flag that the chosen drafter
+    does not read is an error, not a silent no-op."""
+    given = {name for name in drafter_flags() | SPECULATIVE_FLAGS if FLAGS[name].present}
     if FLAGS.drafter == "none":
+        if given:
+            raise ValueError(f"--{', --'.join(sorted(given))} need a drafter; pass --drafter=NAME")
         return None, None
+    entry = registry.get(FLAGS.drafter)
+    own = {f.name for f in dataclasses.fields(entry.settings)}
+    if given - own - SPECULATIVE_FLAGS:
+        stray = ", --".join(sorted(given - own - SPECULATIVE_FLAGS))
+        raise ValueError(f"--{stray} do not apply to --drafter={entry.name}; drop them")
     tree = parse_tree(FLAGS.tree)
     k = FLAGS.k if tree is None else tree.depth
-    if FLAGS.drafter in heads.METHODS:
-        workdir = FLAGS.heads or str(HEADS / f"stories260K_{FLAGS.drafter}")
-        meta, graphdef, params = heads.load_heads(workdir, target.cfg, target.params)
-        if meta["method"] != FLAGS.drafter:
-            raise app.UsageError(f"{workdir} holds {meta['method']} heads, not {FLAGS.drafter}")
-        drafter = heads.make_drafter(meta, graphdef, target.cfg, k, sampler, tree)
-        return drafter, heads.drafter_params(meta, params, target.cfg, target.params)
-    if FLAGS.draft_model:
-        draft = load_model(FLAGS.draft_model, FLAGS.dtype)
-        return DraftModel(draft.cfg, draft.graphdef, k, sampler, tree), draft.params
-    cfg, graphdef, params = truncated_target(target.cfg, target.params, FLAGS.draft_layers)
-    return DraftModel(cfg, graphdef, k, sampler, tree), params
+    settings = entry.settings(**{name: FLAGS[name].value for name in own})
+    return entry.build(target, settings, k, tree, sampler)
 
 
 def main(argv):
@@ -92,7 +104,8 @@ def main(argv):
     sampler = Sampler(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     prompts = read_prompts()
     model = load_model(FLAGS.model, FLAGS.dtype)
-    spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id)
+    rule = acceptance.get(FLAGS.acceptance)
+    spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule)
     drafter, drafter_params = make_drafter(model, sampler)
     report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
     for prompt, text in zip(prompts, report.texts):
@@ -113,12 +126,23 @@ def main(argv):
         stats = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *report.stats)  # add up the batches
         m = summarize(stats)
         print(
-            f"\nK={drafter.k}: tau {m['tau']:.2f} tokens/pass, draft efficiency {m['draft_efficiency']:.2f}, "
+            f"\n{drafter.shape.describe()}, acceptance {rule.name}: tau {m['tau']:.2f} tokens/pass, "
+            f"draft efficiency {m['draft_efficiency']:.2f}, "
             f"alpha_i {np.round(m['alpha'], 2).tolist()}, accepted histogram {m['hist'].tolist()}"
         )
         if FLAGS.compare_ar:
             print(f"speedup over AR: {speedup(runs[1][1].run_s, report.run_s):.2f}x")
 
 
+def run(argv) -> None:
+    """`main` with user errors as one line `error: ...` and exit status 1 (SPECJAX_DEBUG=1: traceback)."""
+    try:
+        main(argv)
+    except (ValueError, OSError) as err:  # specjax's typed errors are ValueErrors
+        if os.environ.get("SPECJAX_DEBUG"):
+            raise
+        sys.exit(f"error: {err}")
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(run)

@@ -3,11 +3,14 @@ r"""Trains Medusa or EAGLE drafting heads on a frozen target; see the command at
     python train_heads.py --config=configs/medusa.py:smoke --workdir=/tmp/medusa_smoke
     python train_heads.py --config=configs/eagle.py --workdir=checkpoints/eagle --config.optimizer.lr=3e-4
 
-Re-running with the same --workdir resumes from its latest checkpoint; Ctrl-C or SIGTERM (preemption)
-saves the current step before exiting. The heads load into
-`run_decode.py --drafter=medusa|eagle --heads=WORKDIR`.
+Re-running with the same --workdir resumes from its latest checkpoint (with the config recorded in
+WORKDIR/config.json: another one is refused unless --config.train.allow_config_change=True); a workdir is locked
+while a run uses it. Ctrl-C or SIGTERM (preemption) saves the current step before exiting. The heads load into
+`run_decode.py --drafter=medusa|eagle --heads=WORKDIR`. A user error ends with one line `error: ...` (exit 1);
+SPECJAX_DEBUG=1 shows the traceback.
 """
 
+import os
 import signal
 import sys
 import threading
@@ -15,7 +18,7 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from specjax.training.trainer import train
+from specjax.training.trainer import NonFiniteLossError, train
 
 config_flags.DEFINE_config_file(
     "config", None, "configs/medusa.py or configs/eagle.py, optionally ':smoke'", lock_config=True
@@ -33,7 +36,12 @@ def main(argv):
     preempted = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.set())
     logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)  # per-save chatter
-    summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
+    try:
+        summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
+    except (ValueError, OSError, NonFiniteLossError) as err:  # specjax's typed errors are ValueErrors
+        if os.environ.get("SPECJAX_DEBUG"):
+            raise
+        sys.exit(f"error: {err}")
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     if preempted.is_set():
         sys.exit(f"stopped by SIGTERM at step {summary['step']}: re-run with the same --workdir to resume")

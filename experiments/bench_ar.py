@@ -17,7 +17,7 @@ import torch
 from absl import app, flags, logging
 
 from experiments.common import SHAPES, interleaved_medians, random_hf_model, read_bandwidth_gbs, write_table
-from specjax.decode import GenerateSpec, compile_decode
+from specjax.decoding import GenerateSpec, compile_decode
 from specjax.models.loading import load_model
 
 flags.DEFINE_integer("repeats", 5, "Timed runs per system (median reported).")

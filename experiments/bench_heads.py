@@ -9,17 +9,20 @@ side in one run (batch 1, medians). Writes results/bench_heads_{accuracy,decode}
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
 from experiments.common import decode_seconds, write_table
 from specjax import heads
-from specjax.decode import GenerateSpec, generate
-from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.decoding import GenerateSpec, generate
+from specjax.drafters import registry
+from specjax.drafters.medusa import medusa_loss
+from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.training.losses import medusa_loss, target_features
+from specjax.training.losses import target_features
 from specjax.trees import DynamicTree, medusa_like
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,16 +104,22 @@ def main(argv):
 
     n_medusa = loaded["medusa"][0]["shape"]["num_heads"]
     medusa_tree, eagle_tree = medusa_like(32, max_depth=n_medusa), medusa_like(32, max_depth=5)
-    dcfg, dgraphdef, dparams = truncated_target(cfg, params, FLAGS.draft_layers)
-    configs = [
-        (f"draft model ({FLAGS.draft_layers} layers)", "chain K=4", None, None),
-        (f"draft model ({FLAGS.draft_layers} layers)", "dynamic 4,5,24", None, DynamicTree(4, 5, 24)),
-        ("medusa", f"chain K={n_medusa}", "medusa", None),
-        ("medusa", f"static {medusa_tree.size - 1} nodes", "medusa", medusa_tree),
-        ("eagle", "chain K=5", "eagle", None),
-        ("eagle", f"static {eagle_tree.size - 1} nodes", "eagle", eagle_tree),
-        ("eagle", "dynamic 4,5,24", "eagle", DynamicTree(4, 5, 24)),
-        ("eagle", "dynamic 8,6,48", "eagle", DynamicTree(8, 6, 48)),
+    draft_model = ("draft_model", {"draft_layers": FLAGS.draft_layers})
+    medusa, eagle = ("medusa", {"heads": FLAGS.medusa}), ("eagle", {"heads": FLAGS.eagle})
+    label = {
+        "draft_model": f"draft model ({FLAGS.draft_layers} layers)",
+        "medusa": "medusa",
+        "eagle": "eagle",
+    }
+    configs = [  # (drafter and its settings, draft label, K, tree)
+        (draft_model, "chain K=4", 4, None),
+        (draft_model, "dynamic 4,5,24", 5, DynamicTree(4, 5, 24)),
+        (medusa, f"chain K={n_medusa}", n_medusa, None),
+        (medusa, f"static {medusa_tree.size - 1} nodes", medusa_tree.depth, medusa_tree),
+        (eagle, "chain K=5", 5, None),
+        (eagle, f"static {eagle_tree.size - 1} nodes", eagle_tree.depth, eagle_tree),
+        (eagle, "dynamic 4,5,24", 4, DynamicTree(4, 5, 24)),
+        (eagle, "dynamic 8,6,48", 6, DynamicTree(8, 6, 48)),
     ]
     rows = []
     for temperature in map(float, FLAGS.temperatures):
@@ -128,30 +137,18 @@ def main(argv):
                 speedup=1.0,
             )
         )
-        for name, shape, method, tree in configs:
-            k = (
-                (n_medusa if method == "medusa" else 4 if method is None else 5)
-                if tree is None
-                else tree.depth
-            )
-            if method is None:
-                drafter, dp = DraftModel(dcfg, dgraphdef, k, sampler, tree), dparams
-            else:
-                meta, hgraph, hparams = loaded[method]
-                drafter = heads.make_drafter(meta, hgraph, cfg, k, sampler, tree)
-                dp = heads.drafter_params(meta, hparams, cfg, params)
+        for (name, settings), shape, k, tree in configs:
+            entry = registry.get(name)
+            drafter, dp = entry.build(target, entry.settings(**settings), k, tree, sampler)
             spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dp)
-            emitted = sum(int(s.emitted.sum()) for s in stats)
-            passes = sum(int(s.row_rounds.sum()) for s in stats)
-            accepted = sum(int((s.accepted_hist * np.arange(k + 1)).sum()) for s in stats)
-            drafted = passes * k  # draft tokens on the accepted chain or path per round
+            m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))  # all prompts together
             rows.append(
                 dict(
-                    drafter=name,
+                    drafter=label[name],
                     draft=shape,
                     T=temperature,
-                    tau=emitted / passes,
-                    draft_eff=accepted / drafted,
+                    tau=m["tau"],
+                    draft_eff=m["draft_efficiency"],
                     tok_s=len(prompts) * n / spec_s,
                     speedup=ar_s / spec_s,
                 )

@@ -37,7 +37,7 @@ from experiments.common import (
     write_table,
 )
 from specjax.analysis import expected_speedup
-from specjax.decode import GenerateSpec, compile_decode, prepare_speculative
+from specjax.decoding import GenerateSpec, compile_decode, prepare_speculative
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
 from specjax.models.config import LlamaConfig

@@ -6,11 +6,14 @@ Per tree and temperature: tau, verify-pass cost relative to a 1-token pass, toke
 side by side in one run. Writes results/bench_trees.{md,csv}.
 """
 
+import jax
+import numpy as np
 from absl import app, flags, logging
 
 from experiments.common import decode_seconds, per_call_seconds, write_table
-from specjax.decode import GenerateSpec
+from specjax.decoding import GenerateSpec
 from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import PRESETS, DynamicTree
@@ -61,16 +64,15 @@ def main(argv):
             spec_s, stats = decode_seconds(
                 cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dparams
             )
-            emitted = sum(int(s.emitted.sum()) for s in stats)
-            passes = sum(int(s.row_rounds.sum()) for s in stats)
-            nodes = k + 1 if tree is None else tree.size
+            tau = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))["tau"]  # all prompts
+            nodes = drafter.shape.size
             verify = per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
             rows.append(
                 dict(
                     tree=name,
                     nodes=nodes,
                     T=temperature,
-                    tau=emitted / passes,
+                    tau=tau,
                     verify_cost=verify,
                     tok_s=len(prompts) * n / spec_s,
                     speedup=ar_s / spec_s,

@@ -67,7 +67,7 @@ def interleaved_times(fns: dict, repeats: int) -> dict:
 def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
     """Summed median decode time over the prompts (batch 1 each, compiled once per padded prompt width), and
     each prompt's speculative statistics (None for AR)."""
-    from specjax.decode import compile_decode
+    from specjax.decoding import compile_decode
 
     total, stats, compiled = 0.0, [], {}
     for p in prompts:

@@ -1,22 +1,28 @@
 """Orbax save/restore of model parameters with their config (and tokenizer files) in one directory.
 
 Layout of a specjax checkpoint directory:
-    specjax.json   {"format": "specjax", "config": LlamaConfig fields}
+    specjax.json   {"format": "specjax", "config": LlamaConfig fields, "params_sha256": digest of the arrays}
     params/        Orbax StandardCheckpointer tree of the parameters
     tokenizer/     copied tokenizer files (optional)
+
+The directory is written under a temporary name beside the destination and renamed into place when complete,
+so an interrupted save leaves no half-written checkpoint; an existing destination is never overwritten.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
+from specjax import files
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import abstract_model
 from specjax.models.weights import CheckpointError
@@ -24,22 +30,57 @@ from specjax.models.weights import CheckpointError
 MARKER = "specjax.json"
 
 
+def params_digest(params) -> str:
+    """sha256 over the parameter arrays (names, dtypes, shapes and bytes): the same weights give the same digest
+    however they were saved."""
+    pure = params if isinstance(params, dict) else nnx.to_pure_dict(params)
+    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
+    h = hashlib.sha256()
+    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        a = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
+        h.update(memoryview(a.reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+def model_identity(cfg: LlamaConfig, digest: str) -> str:
+    """What a target is, for provenance records: its config and the digest of its weights."""
+    record = json.dumps({"config": dataclasses.asdict(cfg), "params": digest}, sort_keys=True, default=str)
+    return hashlib.sha256(record.encode()).hexdigest()[:20]
+
+
+def identity(path: str | Path, cfg: LlamaConfig, params) -> str:
+    """`model_identity` of the checkpoint at `path` restored as (`cfg`, `params`): the digest recorded at save
+    time, or computed from `params` for a checkpoint written before digests were recorded."""
+    try:
+        digest = json.loads((Path(path) / MARKER).read_text()).get("params_sha256")
+    except (OSError, ValueError, AttributeError):
+        digest = None
+    if digest is None or read_config(Path(path).absolute()) != cfg:
+        digest = params_digest(params)
+    return model_identity(cfg, digest)
+
+
 def save_model(path: str | Path, cfg: LlamaConfig, params, tokenizer_files: list[Path] = ()) -> Path:
-    """Writes config, Orbax params and tokenizer files to `path` (must not exist yet)."""
+    """Writes config, Orbax params and tokenizer files to `path` (which must not exist, or be an empty
+    directory) through a temporary directory beside it, renamed into place when complete."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"{path} already exists; choose a new destination or delete it")
-    path.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "params", nnx.to_pure_dict(params))
-    if tokenizer_files:
-        (path / "tokenizer").mkdir()
-        for f in tokenizer_files:
-            shutil.copy2(f, path / "tokenizer" / Path(f).name)
-    config = dataclasses.asdict(cfg)
-    (path / MARKER).write_text(json.dumps({"format": "specjax", "config": config}, indent=1))
+    pure = nnx.to_pure_dict(params)
+    with files.atomic_dir(path, what="checkpoint") as tmp:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / "params", pure)
+        if tokenizer_files:
+            (tmp / "tokenizer").mkdir()
+            for f in tokenizer_files:
+                shutil.copy2(f, tmp / "tokenizer" / Path(f).name)
+        meta = {
+            "format": "specjax",
+            "config": dataclasses.asdict(cfg),
+            "params_sha256": params_digest(pure),
+        }
+        (tmp / MARKER).write_text(json.dumps(meta, indent=1))
     return path
 
 

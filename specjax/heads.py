@@ -2,11 +2,13 @@
 trained for) and Orbax checkpoints under `checkpoints/` written by `specjax.training.trainer`.
 
 `load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
-for another one; `make_drafter` turns them into a drafter for the speculative loop.
+for another one; `make_drafter` turns them into a drafter for the speculative loop. What each head method does is
+registered with its drafter (`specjax.drafters.registry.TrainedHeads`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,13 +16,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.eagle import Eagle, init_eagle, layer_config, target_io
-from specjax.drafters.medusa import Medusa, init_medusa
+from specjax.drafters import registry
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import CheckpointError
 
 META = "heads.json"
-METHODS = ("medusa", "eagle")
+COMMITTED = Path(__file__).resolve().parents[1] / "heads"  # the trained stories260K heads
 
 
 def target_signature(cfg: LlamaConfig) -> dict:
@@ -36,30 +37,56 @@ def target_signature(cfg: LlamaConfig) -> dict:
 
 
 def describe(method: str, shape: dict, target_cfg: LlamaConfig) -> dict:
-    if method not in METHODS:
-        raise ValueError(f"unknown head method {method!r}; choose one of {METHODS}")
+    registry.trained(method)  # an unknown method is an error naming the known ones
     return {"method": method, "shape": dict(shape), "target": target_signature(target_cfg)}
 
 
 def new_heads(meta: dict, target_cfg: LlamaConfig, target_params, seed: int = 0):
     """(graphdef, trainable params as a pure dict) of fresh heads described by `meta`."""
-    if meta["method"] == "medusa":
-        unembed = target_io(target_cfg, target_params)["unembed"]
-        return init_medusa(meta["shape"]["num_heads"], meta["shape"]["num_layers"], unembed)
-    return init_eagle(target_cfg, seed)
+    return registry.trained(meta["method"]).init(meta["shape"], target_cfg, target_params, seed)
 
 
 def drafter_params(meta: dict, params, target_cfg: LlamaConfig, target_params):
-    """What the drafter's functions take: EAGLE reads the target's embedding and LM head beside its own."""
-    return (
-        params if meta["method"] == "medusa" else {"head": params, **target_io(target_cfg, target_params)}
-    )
+    """What the drafter's functions take (e.g. EAGLE reads the target's embedding and LM head beside its
+    own parameters)."""
+    return registry.trained(meta["method"]).drafter_params(params, target_cfg, target_params)
 
 
 def make_drafter(meta: dict, graphdef, target_cfg: LlamaConfig, k: int, sampler, tree=None):
-    if meta["method"] == "medusa":
-        return Medusa(graphdef, meta["shape"]["num_heads"], target_cfg.vocab_size, target_cfg.dim, k, tree)
-    return Eagle(layer_config(target_cfg), graphdef, k, sampler, tree)
+    return registry.trained(meta["method"]).drafter(meta["shape"], graphdef, target_cfg, k, sampler, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsSettings:
+    heads: str | None = None
+    HELP = {
+        "heads": "Trained heads: the --workdir of a train_heads.py run or an export of one "
+        "(default: heads/stories260K_<drafter>)."
+    }
+
+
+def heads_builder(method: str):
+    """The registry builder of a trained-head drafter: loads `settings.heads` (default: the committed
+    stories260K heads) for the target and checks they are `method` heads."""
+
+    def build(target, settings: HeadsSettings, k: int, tree, sampler):
+        workdir = settings.heads or str(COMMITTED / f"stories260K_{method}")
+        meta, graphdef, params = load_heads(workdir, target.cfg, target.params)
+        if meta["method"] != method:
+            raise ValueError(
+                f"{workdir} holds {meta['method']} heads, not {method}; pass --drafter={meta['method']} "
+                f"or the heads of a {method} run"
+            )
+        drafter = make_drafter(meta, graphdef, target.cfg, k, sampler, tree)
+        return drafter, drafter_params(meta, params, target.cfg, target.params)
+
+    return build
+
+
+def register(method: str, trained: registry.TrainedHeads) -> None:
+    """Registers a trained-head drafter: its CLI setting is `--heads`, its builder loads them."""
+    entry = registry.Entry(method, HeadsSettings, heads_builder(method), HeadsSettings.HELP, trained)
+    registry.register(entry)
 
 
 def write_meta(workdir: Path, meta: dict) -> None:
@@ -117,21 +144,56 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
     return meta, graphdef, jax.tree.map(jnp.asarray, params)
 
 
+EXPORT = "export.json"  # marks a directory written by `export` (and so one a later export may replace)
+
+
+def _is_export(path: Path) -> bool:
+    """Whether `path` is a previous `export`: it holds export.json, or (exports made before the marker) exactly
+    heads.json and checkpoints/STEP directories without optimiser state."""
+    try:
+        if (path / EXPORT).is_file():
+            return json.loads((path / EXPORT).read_text()).get("format") == "specjax-heads-export"
+        steps = list((path / "checkpoints").iterdir())
+        return (
+            {p.name for p in path.iterdir()} == {META, "checkpoints"}
+            and "method" in json.loads((path / META).read_text())
+            and all(s.name.isdigit() and s.is_dir() and not (s / "opt_state").exists() for s in steps)
+        )
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def export(workdir: str | Path, dest: str | Path) -> Path:
     """Copies the latest head parameters (no optimiser state) and `heads.json` of a training run to `dest`:
-    a small directory that `load_heads` reads like the run itself."""
+    a small directory that `load_heads` reads like the run itself. The copy is written beside `dest` and renamed
+    into place; an existing `dest` is replaced only if it is a previous export, anything else is refused, and so
+    is a `dest` equal to, inside or containing the workdir (files.DestinationError)."""
     import orbax.checkpoint as ocp
 
+    from specjax import files
+
     workdir, dest = Path(workdir).absolute(), Path(dest).absolute()
+    if files.overlaps(workdir, dest):
+        raise files.DestinationError(
+            f"export destination {dest} is, lies inside or contains the workdir {workdir}; choose a "
+            "destination outside the workdir"
+        )
+    if not (workdir / META).is_file() or not (workdir / "checkpoints").is_dir():
+        raise CheckpointError(
+            f"{workdir} is not a train_heads.py workdir (no {META} and checkpoints/); pass the --workdir of "
+            "a training run"
+        )
     with ocp.CheckpointManager(workdir / "checkpoints") as manager:
         step = manager.latest_step()
     if step is None:
         raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(
-        workdir / "checkpoints" / str(step),
-        dest / "checkpoints" / str(step),
-        ignore=shutil.ignore_patterns("opt_state"),
-    )
-    shutil.copy2(workdir / META, dest / META)
+    with files.atomic_dir(dest, replaceable=_is_export, what="heads export") as tmp:
+        shutil.copytree(
+            workdir / "checkpoints" / str(step),
+            tmp / "checkpoints" / str(step),
+            ignore=shutil.ignore_patterns("opt_state"),
+        )
+        shutil.copy2(workdir / META, tmp / META)
+        record = {"format": "specjax-heads-export", "workdir": str(workdir), "step": step}
+        (tmp / EXPORT).write_text(json.dumps(record, indent=1))
     return dest

@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.decode import GenerateSpec, compile_decode
+from specjax.decoding import GenerateSpec, compile_decode
 from specjax.models.loading import LoadedModel
 
 

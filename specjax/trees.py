@@ -1,4 +1,7 @@
-"""Static draft trees: a list of paths (Medusa's format) turned once, in numpy, into index arrays.
+"""Draft shapes: `Chain`, static `Tree` and EAGLE-2-style `DynamicTree`, each knowing its depth, node count,
+cache slots, on-device layout and how an autoregressive drafter searches it (`specjax.drafters.search`).
+
+Static trees are lists of paths (Medusa's format) turned once, in numpy, into index arrays.
 
 A path `(r_1, ..., r_d)` names the node reached by taking the r_1-th candidate after the root, then the
 r_2-th candidate after that, ... (rank among the parent's candidates, 0 = best). Node 0 is the root
@@ -10,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+
+from specjax.drafters import search
+from specjax.layouts import ChainLayout, TreeLayout
 
 
 class TreeError(ValueError):
@@ -21,8 +25,50 @@ class TreeError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Chain:
+    """K draft tokens in a line."""
+
+    k: int
+    dynamic = False  # the layout is fixed before drafting
+    reread = 2  # tokens an autoregressive drafter re-reads each round (see DraftModel.propose)
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"K (draft tokens per round) must be an integer >= 1, got {self.k!r}")
+
+    @property
+    def depth(self) -> int:
+        return self.k
+
+    @property
+    def size(self) -> int:
+        """Tokens one verification pass scores: the pending token and the draft."""
+        return self.k + 1
+
+    @property
+    def cache_slots(self) -> int:
+        """Cache slots written past the sequence in one round (by the drafter or the verification)."""
+        return self.k + 1
+
+    def describe(self) -> str:
+        return f"K={self.k}"
+
+    def layout(self, batch: int) -> ChainLayout:
+        return ChainLayout(self.k)
+
+    def search(self, step, sampler, root_logits_BV, root_ctx, pos0_B, cache, key):
+        return search.chain(step, sampler, self.k, root_logits_BV, root_ctx, pos0_B, cache, key)
+
+    def keep_path(self, cache, path_BD, n_accepted_B):
+        """A drafter's cache after verification: a chain's accepted tokens already sit in order."""
+        return cache
+
+
+@dataclasses.dataclass(frozen=True)
 class Tree:
     paths: tuple[tuple[int, ...], ...]  # node i >= 1 is paths[i - 1]
+    dynamic = False
+    reread = 2
 
     def __post_init__(self):
         paths = [tuple(int(r) for r in p) for p in self.paths]
@@ -60,6 +106,24 @@ class Tree:
 
     def is_chain(self) -> bool:
         return all(p == (0,) * len(p) for p in self.paths)
+
+    @property
+    def cache_slots(self) -> int:
+        return self.size
+
+    def describe(self) -> str:
+        return f"a tree of {self.size} nodes"
+
+    def layout(self, batch: int) -> TreeLayout:
+        return TreeLayout.from_arrays(self.arrays, batch)
+
+    def search(self, step, sampler, root_logits_BV, root_ctx, pos0_B, cache, key):
+        return search.static_tree(step, sampler, self, root_logits_BV, root_ctx, pos0_B, cache, key)
+
+    def keep_path(self, cache, path_BD, n_accepted_B):
+        """A drafter's cache after verification: the accepted path gathered into its committed region
+        (nodes at the last depth were never fed: they stay stale)."""
+        return cache.compact(path_BD - 1, jnp.minimum(n_accepted_B, self.depth - 1))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,6 +205,7 @@ class DynamicTree:
     top_k: int
     depth: int
     total_tokens: int
+    dynamic = True  # the layout comes out of the search
 
     def __post_init__(self):
         most = self.top_k + (self.depth - 1) * self.top_k**2
@@ -154,56 +219,30 @@ class DynamicTree:
     def size(self) -> int:
         return self.total_tokens + 1
 
+    @property
+    def reread(self) -> int:
+        return self.depth + 1  # the drafter's cache keeps nothing of the tree
 
-@struct.dataclass
-class TreeLayout:
-    """A tree's index arrays on device, one tree per batch row (static trees broadcast, dynamic trees vary)."""
+    @property
+    def cache_slots(self) -> int:
+        return max(self.size, (self.depth - 1) * self.top_k + 1, self.depth + 1)
 
-    parent: jax.Array  # [B, N+1]
-    depth: jax.Array  # [B, N+1]
-    ancestors: jax.Array  # [B, N+1, D] path from depth 1 to the node, 0 padded
-    children: jax.Array  # [B, N+1, W] -1 padded, in the order siblings are tried
-    mask: jax.Array  # [B, N+1, N+1] ancestor-or-self
+    def describe(self) -> str:
+        return f"a dynamic tree of {self.size} nodes"
 
-    @classmethod
-    def from_tree(cls, tree: Tree, batch: int) -> TreeLayout:
-        a = tree.arrays
-        return cls(
-            *(
-                jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)
-                for x in (a.parent, a.depth, a.ancestors, a.children, a.mask)
-            )
-        )
+    def layout(self, batch: int):
+        raise ValueError(f"{self} has no fixed layout: its drafter builds one while searching")
 
-    @classmethod
-    def from_parents(cls, parent_BN: jax.Array, depth: int, width: int) -> TreeLayout:
-        """From parent pointers (parents before children, root 0 its own parent); siblings in index order."""
-        b, n = parent_BN.shape
-        rows, nodes = jnp.arange(b)[:, None], jnp.arange(n)[None]
-        chain = [jnp.broadcast_to(nodes, (b, n))]  # chain[d] = the ancestor d steps up
-        for _ in range(depth):
-            chain.append(jnp.take_along_axis(parent_BN, chain[-1], axis=1))
-        node_depth = sum((c > 0).astype(jnp.int32) for c in chain[:-1])
-        mask = jnp.zeros((b, n, n), bool)
-        for c in chain:
-            mask = mask.at[rows, nodes, c].set(True)
-        # ancestors[i, d - 1] = the ancestor at depth d = chain[depth(i) - d]
-        stacked = jnp.stack(chain, axis=-1)  # [B, N, depth + 1]
-        up = node_depth[..., None] - jnp.arange(1, depth + 1)
-        ancestors = jnp.where(up >= 0, jnp.take_along_axis(stacked, jnp.maximum(up, 0), axis=-1), 0)
-        same_parent = (parent_BN[:, None, :] == parent_BN[:, :, None]) & (nodes > 0)[:, None, :]
-        sibling_rank = jnp.cumsum(same_parent, axis=2)  # [B, N, N]: siblings up to and including j
-        rank = jnp.take_along_axis(sibling_rank, nodes[..., None].repeat(b, 0), axis=2)[..., 0] - 1
-        children = jnp.full((b, n, width), -1, jnp.int32)
-        target_rank = jnp.where(nodes > 0, rank, width)  # the root is nobody's child: dropped
-        children = children.at[rows, parent_BN, target_rank].set(
-            jnp.broadcast_to(nodes, (b, n)), mode="drop"
-        )
-        return cls(parent_BN, node_depth, ancestors, children, mask)
+    def search(self, step, sampler, root_logits_BV, root_ctx, pos0_B, cache, key):
+        return search.dynamic_tree(step, self, root_logits_BV, root_ctx, pos0_B, cache)
+
+    def keep_path(self, cache, path_BD, n_accepted_B):
+        return cache
 
 
 def parse_tree(spec: str) -> Tree | DynamicTree | None:
-    """'' -> None (chain); a preset name; 'dynamic:TOP_K,DEPTH,TOTAL_TOKENS'; or paths like '0;1;0,0'."""
+    """'' -> None (a chain of the drafter's K); a preset name; 'dynamic:TOP_K,DEPTH,TOTAL_TOKENS'; or
+    paths like '0;1;0,0'."""
     if not spec:
         return None
     if spec in PRESETS:

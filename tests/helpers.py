@@ -4,8 +4,8 @@ import numpy as np
 from conftest import STORIES_PROMPT, TINY
 from scipy.stats import chi2_contingency
 
-import specjax.decode as decode
-from specjax.decode import GenerateSpec, generate
+from specjax.decoding import GenerateSpec, generate
+from specjax.decoding.speculative import speculative_compiled
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import init_params
 
@@ -61,8 +61,8 @@ def two_sample_pvalue(a, b):
 def run_patched(monkeypatch, name: str, replacement, run):
     """`run()` with `name` (e.g. a piece of the acceptance rule) replaced, compiled afresh: negative controls."""
     monkeypatch.setattr(name, replacement)
-    decode._speculative.clear_cache()
+    speculative_compiled.clear_cache()
     try:
         return run()
     finally:
-        decode._speculative.clear_cache()
+        speculative_compiled.clear_cache()

@@ -7,13 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.acceptance import (
-    acceptance_probs,
-    first_rejection,
-    greedy_chain,
-    residual,
-    speculative_sampling,
-)
+from specjax.acceptance.greedy import first_rejection, greedy_chain
+from specjax.acceptance.rejection import acceptance_probs, residual, speculative_sampling
 
 V = 5
 

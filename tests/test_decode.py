@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import STORIES_PROMPT, TINY
 
-from specjax.decode import GenerateSpec, generate
+from specjax.decoding import GenerateSpec, generate
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
 from specjax.sampling import Sampler
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import STORIES, TINY
 
 from specjax.checkpoint import restore_model, save_model
-from specjax.decode import GenerateSpec, generate
+from specjax.decoding import GenerateSpec, generate
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.llama import init_params
 from specjax.models.loading import load_model, load_tokenizer, resolve

@@ -19,8 +19,9 @@ from helpers import (
 )
 
 from specjax import heads
-from specjax.decode import GenerateSpec, generate, speculative_generate
-from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config, target_io
+from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.drafters.base import target_io
+from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config
 from specjax.drafters.medusa import Medusa
 from specjax.metrics import summarize
 from specjax.models.llama import causal_mask, init_cache
@@ -128,7 +129,7 @@ def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
     if name == "eagle tree":  # negative control: resampling from p instead of the residual is caught
         broken = run_patched(
             monkeypatch,
-            "specjax.acceptance.residual",
+            "specjax.acceptance.rejection.residual",
             lambda p, q: p,
             lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
         )

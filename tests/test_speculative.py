@@ -18,7 +18,7 @@ from helpers import (
     two_sample_pvalue,
 )
 
-from specjax.decode import GenerateSpec, generate, speculative_generate
+from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
 from specjax.models.llama import init_params
@@ -115,7 +115,7 @@ def test_speculative_sampling_is_distributed_as_ar(pair, sampler, monkeypatch):
     # Negative control: resampling from p instead of the residual must be caught by the same test.
     broken = run_patched(
         monkeypatch,
-        "specjax.acceptance.residual",
+        "specjax.acceptance.rejection.residual",
         lambda p, q: p,
         lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
     )

@@ -6,7 +6,7 @@ import pytest
 from conftest import STORIES, STORIES_PROMPT, STORIES_PROMPT_REFERENCE, STORIES_REFERENCE_IDS
 
 from specjax.checkpoint import restore_model, save_model
-from specjax.decode import GenerateSpec, generate
+from specjax.decoding import GenerateSpec, generate
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.models.loading import load_model, tokenizer_files
 

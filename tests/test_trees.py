@@ -18,12 +18,13 @@ from helpers import (
     two_sample_pvalue,
 )
 
-from specjax.acceptance import sibling_step, tree_sampling
-from specjax.decode import GenerateSpec, generate, speculative_generate
+from specjax.acceptance.rejection import sibling_step, tree_sampling
+from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.layouts import TreeLayout
 from specjax.metrics import summarize
 from specjax.sampling import Sampler
-from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, TreeLayout, balanced, chain
+from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, balanced, chain
 
 DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
 V = 5
@@ -50,7 +51,7 @@ def test_layout_from_parents_matches_static_arrays(name):
     tree = PRESETS[name]
     a = tree.arrays
     dynamic = TreeLayout.from_parents(jnp.asarray(a.parent)[None], tree.depth, a.children.shape[1])
-    static = TreeLayout.from_tree(tree, 1)
+    static = tree.layout(1)
     for got, want in zip(jax.tree.leaves(dynamic), jax.tree.leaves(static), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -161,7 +162,7 @@ def test_tree_sampling_one_level_frequencies():
     draft = jax.lax.top_k(scores, 3)[1].astype(jnp.int32)  # without replacement
     p_b = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, 4, V))
     q_b = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 3, V))
-    layout = TreeLayout.from_tree(tree, n)
+    layout = tree.layout(n)
     n_acc, nxt, path = tree_sampling(jax.random.key(1), layout, draft, q_b, p_b, without_replacement=True)
     first = np.where(
         np.asarray(n_acc) == 1, np.asarray(draft)[np.arange(n), np.asarray(path[:, 0]) - 1], np.asarray(nxt)
@@ -239,7 +240,7 @@ def test_sampled_tree_speculation_is_distributed_as_ar(sampler, monkeypatch):
     real_step = sibling_step
     broken = run_patched(
         monkeypatch,
-        "specjax.acceptance.sibling_step",
+        "specjax.acceptance.rejection.sibling_step",
         lambda p, q, x, without: real_step(p, q, x, False),
         lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
     )

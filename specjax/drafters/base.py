@@ -11,26 +11,17 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
-from flax import struct
+from flax import nnx
 
-
-@struct.dataclass
-class Draft:
-    """A chain (`layout=None`: token i follows token i-1) or a tree (`tokens[:, j - 1]` is node j of `layout`)."""
-
-    tokens: jax.Array  # [B, K] (chain) or [B, N] (tree nodes) int32
-    q_probs: jax.Array | None = (
-        None  # [B, K|N, V] warped distribution each token was drawn from; None: deterministic
-    )
-    layout: object = None  # specjax.trees.TreeLayout for a tree
-    without_replacement: bool = struct.field(
-        pytree_node=False, default=False
-    )  # siblings drawn without replacement
+from specjax.trees import Chain
 
 
 class Drafter(Protocol):
-    k: int  # most draft tokens one round can accept: chain length or tree depth (static)
-    tree: object  # the tree it proposes (`specjax.trees.Tree` or `DynamicTree`), or None for a chain
+    """What the speculative loop reads of a drafter: its `shape` (a `specjax.trees` Chain, Tree or
+    DynamicTree: depth K, node count, cache slots one round writes) and the four methods below."""
+
+    @property
+    def shape(self): ...
 
     def validate(self, target_cfg) -> None:
         """Raises a clear error if this drafter cannot serve `target_cfg` (e.g. vocabulary mismatch)."""
@@ -42,18 +33,31 @@ class Drafter(Protocol):
         (final hidden states, what its LM head reads) at the prompt tokens."""
 
     def propose(self, params, state, seq_BS: jax.Array, n_tokens_B: jax.Array, key: jax.Array):
-        """(Draft, state): K tokens continuing `seq_BS[b, :n_tokens_B[b]]` (its last token is pending)."""
+        """(`specjax.layouts.Draft`, state): a draft continuing `seq_BS[b, :n_tokens_B[b]]` (its last token
+        is pending, not yet in the target's cache)."""
 
-    def commit(
-        self,
-        params,
-        state,
-        n_accepted_B: jax.Array,
-        n_tokens_B: jax.Array,
-        path_BD: jax.Array | None,
-        feats_BDH: jax.Array,
-    ):
-        """State after verification: `n_accepted_B` draft tokens were kept (tree nodes `path_BD`, by depth;
-        None for a chain) and the sequence now has `n_tokens_B` tokens (the last one pending).
+    def commit(self, params, state, n_accepted_B: jax.Array, n_tokens_B: jax.Array, path_BD, feats_BDH):
+        """State after verification: `n_accepted_B` draft tokens were kept (nodes `path_BD`, by depth; a
+        chain's node i is its token i - 1) and the sequence now has `n_tokens_B` tokens (the last pending).
         `feats_BDH[:, j]` is the target's feature at the round's pending token (j = 0), then at the
         j-th accepted draft token: the last valid one (j = n_accepted) predicted the new pending token."""
+
+
+class KOrTree:
+    """Mixin of drafters configured with `k` (a chain's length) and an optional `tree` (whose depth is k)."""
+
+    def __post_init__(self):
+        if self.tree is not None and self.k != self.tree.depth:
+            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
+
+    @property
+    def shape(self):
+        return Chain(self.k) if self.tree is None else self.tree
+
+
+def target_io(target_cfg, target_params) -> dict:
+    """The target's embedding and LM head, `{"embed": [V, H], "unembed": [V, H]}`: the frozen inputs of
+    drafting heads."""
+    pure = target_params if isinstance(target_params, dict) else nnx.to_pure_dict(target_params)
+    embed = pure["embed"]["embedding"]
+    return {"embed": embed, "unembed": embed if target_cfg.tie_embeddings else pure["lm_head"]["weight"]}

@@ -1,4 +1,4 @@
-"""A separate (smaller) Llama-family model that drafts K tokens autoregressively with its own KV cache."""
+"""A separate (smaller) Llama-family model that drafts autoregressively with its own KV cache."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters import search
+from specjax.decoding.prefill import prefill
+from specjax.drafters import registry
+from specjax.drafters.base import KOrTree
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.llama import causal_mask, forward
+from specjax.models.loading import load_model
 from specjax.models.weights import build_params
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, Tree
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModel(search.Searching):
+class DraftModel(KOrTree):
     """Drafts with `sampler` (pass the target's, so p and q are warped alike); greedy drafts are
     deterministic proposals (`q_probs=None`)."""
 
@@ -34,17 +37,7 @@ class DraftModel(search.Searching):
             )
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH=None):
-        batch, width = tokens_BP.shape
-        positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-        _, _, cache = forward(
-            self.graphdef,
-            params,
-            tokens_BP,
-            positions,
-            init_cache(self.cfg, batch, cache_size),
-            causal_mask(width),
-        )
-        return cache.with_length(lengths_B)
+        return prefill(self.cfg, self.graphdef, params, tokens_BP, lengths_B, cache_size)[1]
 
     def _step(self, params):
         def step(cache, tokens_BT, positions_BT, mask_BTW, ctx):
@@ -54,16 +47,13 @@ class DraftModel(search.Searching):
         return step
 
     def propose(self, params, cache, seq_BS, n_tokens_B, key):
-        # Re-read what the cache may lack, up to the pending token. A chain's or a static tree's cache lacks at
-        # most the last accepted draft token (never fed), so two tokens always suffice; re-reading a token the
-        # cache holds rewrites its keys/values. Branch-free on purpose: choosing 1 or 2 tokens with `lax.cond`
-        # made XLA copy the whole draft cache into and out of the branch every round. A dynamic tree's cache
-        # keeps nothing of the tree (re-read depth + 1 tokens).
-        t = self.tree.depth + 1 if isinstance(self.tree, DynamicTree) else 2
-        logits, cache = self._feed(params, cache, seq_BS, n_tokens_B, t)
-        return search.search(
-            self._step(params), self.sampler, self.k, self.tree, logits, None, n_tokens_B, cache, key
-        )
+        # Re-read what the cache may lack, up to the pending token (`shape.reread` tokens). A chain's or a
+        # static tree's cache lacks at most the last accepted draft token (never fed), so two tokens always
+        # suffice; re-reading a token the cache holds rewrites its keys/values. Branch-free on purpose:
+        # choosing 1 or 2 tokens with `lax.cond` made XLA copy the whole draft cache into and out of the
+        # branch every round. A dynamic tree's cache keeps nothing of the tree.
+        logits, cache = self._feed(params, cache, seq_BS, n_tokens_B, self.shape.reread)
+        return self.shape.search(self._step(params), self.sampler, logits, None, n_tokens_B, cache, key)
 
     def _feed(self, params, cache, seq_BS, n_tokens_B, t: int):
         """Re-reads the last `t` tokens of each row (the pending one last): (its logits [B, V], cache)."""
@@ -77,10 +67,7 @@ class DraftModel(search.Searching):
         return last, cache.with_length(n_tokens_B)
 
     def commit(self, params, cache, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
-        if self.tree is None or isinstance(self.tree, DynamicTree):
-            return cache  # `propose` re-reads what it lacks of the sequence it is given
-        # keep the accepted path (nodes at the last depth were never fed: they stay stale)
-        return cache.compact(path_BD - 1, jnp.minimum(n_accepted_B, self.tree.depth - 1))
+        return self.shape.keep_path(cache, path_BD, n_accepted_B)
 
 
 def truncated_target(cfg: LlamaConfig, params, n_layers: int):
@@ -92,3 +79,25 @@ def truncated_target(cfg: LlamaConfig, params, n_layers: int):
     pure["layers"] = {i: pure["layers"][i] for i in range(n_layers)}
     small = cfg.replace(n_layers=n_layers)
     return (small, *build_params(small, pure))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelSettings:
+    draft_model: str | None = None
+    draft_layers: int = 1
+    HELP = {
+        "draft_model": "Draft model path or name (default: the target truncated to --draft_layers).",
+        "draft_layers": "Layers of the truncated-target draft when --draft_model is not given.",
+    }
+
+
+def build(target, settings: DraftModelSettings, k: int, tree, sampler):
+    """(DraftModel, its params): a model loaded from `settings.draft_model`, else the truncated target."""
+    if settings.draft_model:
+        draft = load_model(settings.draft_model, target.cfg.dtype)
+        return DraftModel(draft.cfg, draft.graphdef, k, sampler, tree), draft.params
+    cfg, graphdef, params = truncated_target(target.cfg, target.params, settings.draft_layers)
+    return DraftModel(cfg, graphdef, k, sampler, tree), params
+
+
+registry.register(registry.Entry("draft_model", DraftModelSettings, build, help=DraftModelSettings.HELP))

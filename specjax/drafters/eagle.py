@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import search
+from specjax import heads
+from specjax.drafters import registry
+from specjax.drafters.base import KOrTree, target_io
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
 from specjax.sampling import Sampler
+from specjax.training import losses
 from specjax.trees import DynamicTree, Tree
 
 
@@ -56,13 +59,6 @@ def eagle_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mas
     return logits, feats, cache
 
 
-def target_io(target_cfg: LlamaConfig, target_params) -> dict:
-    """The target's embedding and LM head, `{"embed": [V, H], "unembed": [V, H]}` (frozen inputs of a head)."""
-    pure = target_params if isinstance(target_params, dict) else nnx.to_pure_dict(target_params)
-    embed = pure["embed"]["embedding"]
-    return {"embed": embed, "unembed": embed if target_cfg.tie_embeddings else pure["lm_head"]["weight"]}
-
-
 @struct.dataclass
 class EagleState:
     cache: object  # the head's KV cache; committed slots were read with the target's true features
@@ -73,7 +69,7 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle(search.Searching):
+class Eagle(KOrTree):
     """Drafter: chains (sampled with `sampler`, pass the target's), static trees, or dynamic trees (EAGLE-2)."""
 
     layer_cfg: LlamaConfig
@@ -134,18 +130,50 @@ class Eagle(search.Searching):
         root_logits = jnp.take_along_axis(logits, root, axis=1)[:, 0]
         root_feat = jnp.take_along_axis(feats, root, axis=1)[:, 0]
         cache = cache.with_length(n_tokens_B - 1)
-        draft, cache = search.search(
-            self._step(params),
-            self.sampler,
-            self.k,
-            self.tree,
-            root_logits,
-            root_feat,
-            n_tokens_B - 1,
-            cache,
-            key,
+        draft, cache = self.shape.search(
+            self._step(params), self.sampler, root_logits, root_feat, n_tokens_B - 1, cache, key
         )
         return draft, EagleState(cache, state.feats, n_tokens_B - 1)
 
     def commit(self, params, state: EagleState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state.replace(feats=feats_BDH)
+
+
+def eagle_loss(graphdef, layer_cfg, params, feats_BTH, tokens_BT, key, noise: float, ce_weight: float):
+    """SmoothL1 between predicted and true feature t + 1, plus `ce_weight` x cross-entropy of the predicted
+    feature's token distribution against the target's next-token distribution; inputs are the true features
+    with uniform noise in [-noise/2, noise/2]. `params` as in `eagle_apply` (target embedding and head frozen)."""
+    b, t, _ = feats_BTH.shape
+    inputs = feats_BTH[:, :-1] + noise * (jax.random.uniform(key, feats_BTH[:, :-1].shape) - 0.5)
+    positions = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
+    cache = init_cache(layer_cfg, b, t - 1)
+    logits, predicted, _ = eagle_apply(
+        graphdef, params, tokens_BT[:, 1:], inputs, positions, cache, causal_mask(t - 1)
+    )
+    true = feats_BTH[:, 1:]
+    feature_loss = jnp.mean(losses.smooth_l1(predicted, true))
+    target_logits = jnp.einsum("btd,vd->btv", true, jax.lax.stop_gradient(params["unembed"]))
+    target_probs = jax.nn.softmax(target_logits.astype(jnp.float32))
+    ce = jnp.mean(-jnp.sum(target_probs * jax.nn.log_softmax(logits), axis=-1))
+    top1 = jnp.mean((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32))
+    loss = feature_loss + ce_weight * ce
+    return loss, {"loss": loss, "feature_loss": feature_loss, "ce": ce, "top1": top1}
+
+
+heads.register(
+    "eagle",
+    registry.TrainedHeads(
+        init=lambda shape, cfg, target_params, seed: init_eagle(cfg, seed),
+        drafter_params=lambda params, cfg, target_params: {
+            "head": params,
+            **target_io(cfg, target_params),
+        },
+        drafter=lambda shape, graphdef, cfg, k, sampler, tree: Eagle(
+            layer_config(cfg), graphdef, k, sampler, tree
+        ),
+        loss=lambda graphdef, cfg, params, feats, tokens, key, h: eagle_loss(
+            graphdef, layer_config(cfg), params, feats, tokens, key, h.noise, h.ce_weight
+        ),
+        shape_of=lambda h: {},
+    ),
+)

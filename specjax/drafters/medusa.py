@@ -10,10 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters.base import Draft
+from specjax import heads
+from specjax.drafters import registry
+from specjax.drafters.base import KOrTree, target_io
+from specjax.layouts import Draft
 from specjax.models.config import LlamaConfig
 from specjax.sampling import argmax
-from specjax.trees import DynamicTree, Tree, TreeLayout
+from specjax.training import losses
+from specjax.trees import Tree
 
 
 class MedusaHeads(nnx.Module):
@@ -47,7 +51,7 @@ def medusa_logits(graphdef, params, feats_xH: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Medusa:
+class Medusa(KOrTree):
     """Drafter: its state is the target's feature at the token before the pending one (which the target's head
     turned into the pending token). Candidates are the heads' top-k tokens: deterministic proposals."""
 
@@ -59,22 +63,17 @@ class Medusa:
     tree: Tree | None = None
 
     def __post_init__(self):
-        if isinstance(self.tree, DynamicTree):
+        super().__post_init__()
+        if self.shape.dynamic:
             raise ValueError(
                 "Medusa drafts static trees only (its candidates do not depend on their parents); "
                 "use a preset or explicit paths, or EAGLE for dynamic trees"
             )
-        if self.tree is not None and self.k != self.tree.depth:
-            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
         if not 1 <= self.k <= self.num_heads:
             raise ValueError(
                 f"Medusa with {self.num_heads} heads drafts 1..{self.num_heads} tokens deep; got "
                 f"k={self.k}: lower k, use a shallower tree, or train more heads"
             )
-
-    @property
-    def slack(self) -> int:
-        return self.k + 1 if self.tree is None else self.tree.size
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if (self.vocab_size, self.dim) != (target_cfg.vocab_size, target_cfg.dim):
@@ -89,12 +88,49 @@ class Medusa:
 
     def propose(self, params, feat_BH, seq_BS, n_tokens_B, key):
         logits = medusa_logits(self.graphdef, params, feat_BH)[:, : self.k]  # [B, k, V]
+        layout = self.shape.layout(feat_BH.shape[0])
         if self.tree is None:
-            return Draft(argmax(logits)), feat_BH
+            return Draft(argmax(logits), None, layout), feat_BH
         arr = self.tree.arrays
         candidates = jax.lax.top_k(logits, int(arr.rank.max()) + 1)[1]  # [B, k, width]
         tokens = candidates[:, arr.depth[1:] - 1, arr.rank[1:]].astype(jnp.int32)
-        return Draft(tokens, None, TreeLayout.from_tree(self.tree, feat_BH.shape[0])), feat_BH
+        return Draft(tokens, None, layout), feat_BH
 
     def commit(self, params, feat_BH, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return jnp.take_along_axis(feats_BDH, n_accepted_B[:, None, None], axis=1)[:, 0]
+
+
+def medusa_loss(graphdef, params, feats_BTH, tokens_BT, decay: float):
+    """Sum over heads i of decay^i * cross-entropy of head i at position t against token t + 2 + i (Medusa-1)."""
+    logits = medusa_logits(graphdef, params, feats_BTH)  # [B, T, heads, V]
+    n_heads, t = logits.shape[2], tokens_BT.shape[1]
+    loss, metrics = 0.0, {}
+    for i in range(n_heads):
+        shift = i + 2
+        head_logits, labels = logits[:, : t - shift, i], tokens_BT[:, shift:]
+        ce = jnp.mean(losses.cross_entropy(head_logits, labels))
+        loss = loss + decay**i * ce
+        metrics |= {
+            f"head{i}_ce": ce,
+            f"head{i}_top1": jnp.mean(losses.in_top(head_logits, labels, 1)),
+            f"head{i}_top5": jnp.mean(losses.in_top(head_logits, labels, 5)),
+        }
+    return loss, metrics | {"loss": loss}
+
+
+heads.register(
+    "medusa",
+    registry.TrainedHeads(
+        init=lambda shape, cfg, target_params, seed: init_medusa(
+            shape["num_heads"], shape["num_layers"], target_io(cfg, target_params)["unembed"]
+        ),
+        drafter_params=lambda params, cfg, target_params: params,
+        drafter=lambda shape, graphdef, cfg, k, sampler, tree: Medusa(
+            graphdef, shape["num_heads"], cfg.vocab_size, cfg.dim, k, tree
+        ),
+        loss=lambda graphdef, cfg, params, feats, tokens, key, h: medusa_loss(
+            graphdef, params, feats, tokens, h.decay
+        ),
+        shape_of=lambda h: {"num_heads": h.num_heads, "num_layers": h.num_layers},
+    ),
+)

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Draft
+from specjax.layouts import ChainLayout, Draft, TreeLayout
 from specjax.models.llama import causal_mask
 from specjax.sampling import argmax, inverse_cdf
-from specjax.trees import DynamicTree, Tree, TreeLayout
 
 take = lambda ctx, idx_BN: jax.tree.map(
     lambda c: jnp.take_along_axis(  # ctx rows idx along axis 1
@@ -52,10 +51,10 @@ def chain(step, sampler, k: int, root_logits_BV, root_ctx, pos0_B, cache, key):
     )
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     q = None if sampler.greedy else jnp.concatenate([q0[:, None], rest_q.swapaxes(0, 1)], axis=1)
-    return Draft(tokens, q), cache
+    return Draft(tokens, q, ChainLayout(k)), cache
 
 
-def static_tree(step, sampler, tree: Tree, root_logits_BV, root_ctx, pos0_B, cache, key):
+def static_tree(step, sampler, tree, root_logits_BV, root_ctx, pos0_B, cache, key):
     """Level by level: a node's children are the drafter's top-k tokens after it (sampled without
     replacement by Gumbel top-k when sampling); the nodes of a level are fed together under the tree mask."""
     arr, batch = tree.arrays, root_logits_BV.shape[0]
@@ -83,10 +82,10 @@ def static_tree(step, sampler, tree: Tree, root_logits_BV, root_ctx, pos0_B, cac
                 cache, tokens[:, nodes], positions, jnp.asarray(arr.mask[nodes][:, 1 : window + 1]), ctx
             )
     q = None if q is None else q[:, 1:]
-    return Draft(tokens[:, 1:], q, TreeLayout.from_tree(tree, batch), q is not None), cache
+    return Draft(tokens[:, 1:], q, tree.layout(batch), q is not None), cache
 
 
-def dynamic_tree(step, tree: DynamicTree, root_logits_BV, root_ctx, pos0_B, cache):
+def dynamic_tree(step, tree, root_logits_BV, root_ctx, pos0_B, cache):
     """EAGLE-2: grow the `top_k` best frontier nodes by `top_k` children per level (scored by cumulative
     draft log-probability), then keep the best `total_tokens` candidates. Candidates are the drafter's
     deterministic top-k tokens (point-mass proposals, exact with any sampler)."""
@@ -136,29 +135,3 @@ def dynamic_tree(step, tree: DynamicTree, root_logits_BV, root_ctx, pos0_B, cach
     parent_node = jnp.where(parent < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(parent, 0), axis=1))
     layout = TreeLayout.from_parents(jnp.pad(parent_node, ((0, 0), (1, 0))), depth, k)
     return Draft(jnp.take_along_axis(cand_token, chosen, axis=1).astype(jnp.int32), None, layout), cache
-
-
-def search(step, sampler, k: int, tree, root_logits_BV, root_ctx, pos0_B, cache, key):
-    """The chain, static tree or dynamic tree the drafter is configured for."""
-    if tree is None:
-        return chain(step, sampler, k, root_logits_BV, root_ctx, pos0_B, cache, key)
-    if isinstance(tree, DynamicTree):
-        return dynamic_tree(step, tree, root_logits_BV, root_ctx, pos0_B, cache)
-    return static_tree(step, sampler, tree, root_logits_BV, root_ctx, pos0_B, cache, key)
-
-
-class Searching:
-    """Mixin of the drafters that search with this module: checks `k` against `tree`, sizes the cache slack."""
-
-    def __post_init__(self):
-        if self.tree is not None and self.k != self.tree.depth:
-            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
-
-    @property
-    def slack(self) -> int:
-        """Cache slots written past the sequence in one round (by the drafter or the target's verification)."""
-        if self.tree is None:
-            return self.k + 1
-        if isinstance(self.tree, DynamicTree):
-            return max(self.tree.size, (self.tree.depth - 1) * self.tree.top_k + 1, self.tree.depth + 1)
-        return self.tree.size

@@ -1,9 +1,17 @@
 """The training configuration every `configs/*.py` file starts from (ml_collections, locked: a key that is not
-defined here is an error, not a silent no-op)."""
+defined here is an error, not a silent no-op), and `validate`, which refuses bad values before anything is
+loaded or compiled."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import ml_collections
+
+
+class TrainingConfigError(ValueError):
+    """A training setting that cannot work; the message names the key, the value and the fix."""
 
 
 def base_config(method: str) -> ml_collections.ConfigDict:
@@ -47,7 +55,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.batch_size = 32  # global: split over the mesh's data axis
     c.train.log_every = 50
     c.train.checkpoint_every = 500
-    c.train.keep_checkpoints = 3
+    c.train.keep_checkpoints = 3  # at least 1
+    c.train.allow_config_change = False  # resume a workdir whose recorded config.json differs (knowingly)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # devices on the data axis (-1: all that the model axis leaves)
@@ -67,3 +76,89 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.checkpoint_every = 10
     return c
+
+
+# Keys that change how a run is carried out, not what it trains: a resumed run may change them freely.
+OPERATIONAL = frozenset(
+    {
+        "target",  # compared by the target's identity instead (the same weights may move)
+        "data.cache",
+        "data.features",
+        "data.store",
+        "train.log_every",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.allow_config_change",
+        "mesh.data",
+        "mesh.model",
+    }
+)
+
+
+def flatten(c) -> dict:
+    """{"data.seq_len": 128, ...} of a ConfigDict (or nested dict)."""
+    out = {}
+    for k, v in c.items() if isinstance(c, dict) else c.to_dict().items():
+        if isinstance(v, (dict, ml_collections.ConfigDict)):
+            out.update({f"{k}.{kk}": vv for kk, vv in flatten(v).items()})
+        else:
+            out[k] = v
+    return out
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raises TrainingConfigError for the first setting that cannot work (before anything is loaded)."""
+    from specjax.drafters.registry import head_methods
+
+    flat = flatten(c)
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            raise TrainingConfigError(f"config {key}={flat[key]!r} {rule}; pass a valid --config.{key}=...")
+
+    for key, value in flat.items():
+        if isinstance(value, float):
+            need(math.isfinite(value), key, "is not a finite number")
+    need(c.method in head_methods(), "method", f"is not one of {head_methods()}")
+    need(c.seed >= 0, "seed", "must be >= 0")
+    d, h, o, t = c.data, c.heads, c.optimizer, c.train
+    if d.source != "self_distill":
+        need(
+            Path(d.source).is_file(),
+            "data.source",
+            "is neither 'self_distill' nor an existing .txt/.jsonl file",
+        )
+    need(d.num_samples >= 1, "data.num_samples", "must be >= 1")
+    need(d.sample_len >= 1, "data.sample_len", "must be >= 1")
+    need(d.temperature >= 0, "data.temperature", "must be >= 0 (0 = greedy)")
+    need(d.seq_len >= 2, "data.seq_len", "must be >= 2 (a head learns from a token and what follows it)")
+    need(not (d.cache and Path(d.cache).is_dir()), "data.cache", "is a directory, not a .npy file path")
+    need(d.features in ("online", "store"), "data.features", "must be 'online' or 'store'")
+    need(
+        d.features != "store" or bool(d.store),
+        "data.store",
+        "is empty but data.features='store' needs a folder",
+    )
+    need(h.num_heads >= 1, "heads.num_heads", "must be >= 1")
+    need(h.num_layers >= 1, "heads.num_layers", "must be >= 1")
+    need(h.decay > 0, "heads.decay", "must be > 0")
+    need(h.noise >= 0, "heads.noise", "must be >= 0")
+    need(h.ce_weight >= 0, "heads.ce_weight", "must be >= 0")
+    need(o.lr > 0, "optimizer.lr", "must be > 0")
+    need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+    need(0 <= o.final_lr_fraction <= 1, "optimizer.final_lr_fraction", "must be in [0, 1]")
+    need(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    need(0 <= o.b1 < 1, "optimizer.b1", "must be in [0, 1)")
+    need(0 <= o.b2 < 1, "optimizer.b2", "must be in [0, 1)")
+    need(o.clip_norm > 0, "optimizer.clip_norm", "must be > 0")
+    need(t.steps >= 1, "train.steps", "must be >= 1")
+    need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
+    need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    need(
+        t.keep_checkpoints >= 1,
+        "train.keep_checkpoints",
+        "must be >= 1 (fewer would delete every checkpoint)",
+    )
+    need(c.mesh.data == -1 or c.mesh.data >= 1, "mesh.data", "must be -1 (all devices) or >= 1")
+    need(c.mesh.model >= 1, "mesh.model", "must be >= 1")

@@ -3,32 +3,62 @@
 Sources: a text file (`.txt`: one document per line; `.jsonl`: {"text"} or {"prompt", "response"} per line)
 tokenised with the target's tokenizer, or a self-distilled corpus sampled from the target with specjax's
 own batched decoder. Documents are packed (concatenated, each starting with BOS) into `[N, seq_len]`.
-Every file is written to a temporary name then renamed, so an interrupted run never leaves a partial one.
+
+Every file is written to a temporary name beside it then renamed (`specjax.files`), so an interrupted run never
+leaves a partial one. The corpus cache (`CACHE.npy`) and the feature store carry their provenance (the target's
+identity, a hash of the source text, the settings, and a hash of their own contents), in `CACHE.npy.json` and
+the store's `manifest.json`: a cache made from anything else is rebuilt, a feature store is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
+from absl import logging
 
-from specjax.decode import GenerateSpec, generate
+from specjax import files
+from specjax.decoding import GenerateSpec, generate
 from specjax.sampling import Sampler
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+class DataError(ValueError):
+    """Training data that cannot be used as it is; the message names the file or setting and the fix."""
+
+
+def _save_npy(path: Path, array: np.ndarray, replaceable=lambda p: True) -> None:
+    with files.atomic_file(path, replaceable) as tmp, open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+
+
+def array_digest(array: np.ndarray) -> str:
+    a = np.ascontiguousarray(array)
+    h = hashlib.sha256(f"{a.dtype}|{a.shape}|".encode())
+    h.update(memoryview(a.reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Token ids must index the target's vocabulary (an id outside it gives a NaN loss, not an error)."""
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"{where} holds {tokens.dtype} values, not token ids; rebuild it")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise DataError(
+            f"{where} holds token id {bad}, outside the target's vocabulary [0, {vocab_size}); its tokenizer "
+            "does not belong to the target: rebuild it with the target's tokenizer"
+        )
 
 
 def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
     """Token ids (BOS first) of each document of a `.txt` or `.jsonl` file."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"training text {path} does not exist")
+        raise FileNotFoundError(
+            f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
+        )
     docs = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -38,7 +68,7 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
                 record = json.loads(line)
                 text = record["text"] if "text" in record else record["prompt"] + record["response"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
+                raise DataError(
                     f"{path}:{n}: expected a JSON object with 'text' or 'prompt' and 'response' ({err})"
                 ) from err
         else:
@@ -52,7 +82,10 @@ def pack(docs: list[list[int]], seq_len: int) -> np.ndarray:
     flat = np.fromiter((t for d in docs for t in d), np.int32)
     n = len(flat) // seq_len
     if n == 0:
-        raise ValueError(f"the documents hold {len(flat)} tokens, fewer than one sequence of {seq_len}")
+        raise DataError(
+            f"the documents hold {len(flat)} tokens, fewer than one sequence of {seq_len}; add documents or "
+            "lower data.seq_len"
+        )
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
@@ -78,18 +111,84 @@ def self_distill(
     return docs[:n_samples]
 
 
-def load_corpus(config, target, tokenizer) -> np.ndarray:
-    """The packed `[N, seq_len]` training tokens for `config.data`, built once and cached at `config.data.cache`."""
+def corpus_provenance(config, target_id: str) -> dict:
+    """What a packed corpus depends on: the target (its tokenizer, and for self-distillation its weights), the
+    source (the settings of self-distillation, or a hash of the text file's contents) and seq_len."""
     d = config.data
-    cache = Path(d.cache).absolute() if d.cache else None
-    if cache is not None and cache.exists():
-        tokens = np.load(cache)
-        if tokens.ndim != 2 or tokens.shape[1] != d.seq_len:
-            raise ValueError(
-                f"cached corpus {cache} has shape {tokens.shape}, not [N, {d.seq_len}]: delete it or "
-                "point data.cache elsewhere"
+    if d.source == "self_distill":
+        source = {
+            "self_distill": {
+                "num_samples": d.num_samples,
+                "sample_len": d.sample_len,
+                "temperature": d.temperature,
+                "seed": config.seed,
+            }
+        }
+    else:
+        path = Path(d.source).absolute()
+        if not path.is_file():
+            raise DataError(
+                f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
             )
-        return tokens
+        source = {"file": str(path), "sha256": files.sha256_file(path)}
+    return {"target": target_id, "source": source, "seq_len": d.seq_len}
+
+
+def _sidecar(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".json")
+
+
+def _read_cache(cache: Path, provenance: dict) -> np.ndarray | None:
+    """The cached tokens if `cache` was built from `provenance` and is complete; None if it must be (re)built.
+    Refuses a file at `cache` that specjax did not write (no provenance beside it)."""
+    if not cache.exists():
+        return None
+    try:
+        record = json.loads(_sidecar(cache).read_text())
+    except FileNotFoundError:
+        raise files.DestinationError(
+            f"corpus cache {cache} exists without its provenance {_sidecar(cache).name} (not written by this "
+            "version of specjax); delete it or set data.cache to a new path"
+        ) from None
+    except (OSError, ValueError):
+        record = {}
+    if not isinstance(record, dict) or record.get("provenance") != provenance:
+        old = record.get("provenance", {}) if isinstance(record, dict) else {}
+        changed = sorted(k for k in provenance if not isinstance(old, dict) or old.get(k) != provenance[k])
+        logging.warning(
+            "rebuilding the corpus cache %s: it was built from another %s", cache, ", ".join(changed)
+        )
+        return None
+    if files.sha256_file(cache) != record.get("sha256"):
+        logging.warning("rebuilding the corpus cache %s: it is incomplete or was modified", cache)
+        return None
+    return np.load(cache, allow_pickle=False)
+
+
+def load_corpus(config, target, tokenizer, target_id: str | None = None) -> np.ndarray:
+    """The packed `[N, seq_len]` training tokens for `config.data`, built once and cached at `config.data.cache`
+    with its provenance; `target_id` is the target's `checkpoint.identity` (computed from its weights if None).
+    A cache built from another target, source or settings is rebuilt."""
+    from specjax import checkpoint
+
+    d = config.data
+    cfg = target[0]
+    cache = Path(d.cache).absolute() if d.cache else None
+    if cache is not None and cache.is_dir():
+        raise DataError(f"data.cache {cache} is a directory; give the path of a .npy file")
+    provenance = None
+    if cache is not None:
+        target_id = target_id or checkpoint.model_identity(cfg, checkpoint.params_digest(target[2]))
+        provenance = corpus_provenance(config, target_id)
+        tokens = _read_cache(cache, provenance)
+        if tokens is not None:
+            check_token_range(tokens, cfg.vocab_size, f"corpus cache {cache}")
+            if tokens.ndim != 2 or tokens.shape[1] != d.seq_len:
+                raise DataError(
+                    f"cached corpus {cache} has shape {tokens.shape}, not [N, {d.seq_len}]: delete it or "
+                    "point data.cache elsewhere"
+                )
+            return tokens
     if d.source == "self_distill":
         cfg, graphdef, params = target
         docs = self_distill(
@@ -106,14 +205,18 @@ def load_corpus(config, target, tokenizer) -> np.ndarray:
     else:
         docs = read_documents(d.source, tokenizer)
     tokens = pack(docs, d.seq_len)
-    if tokens.max() >= target[0].vocab_size:
-        raise ValueError(
-            f"the corpus holds token id {tokens.max()} >= the target's vocabulary "
-            f"{target[0].vocab_size}: the tokenizer does not belong to the target"
-        )
+    check_token_range(tokens, cfg.vocab_size, f"the corpus from {d.source}")
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        _save_npy(cache, tokens)
+        # provenance first, with the hash of the tokens' file: a cache whose write was interrupted never matches
+        with files.atomic_file(cache, lambda p: True) as tmp, open(tmp, "wb") as f:
+            np.save(f, tokens, allow_pickle=False)
+            f.flush()
+            record = {
+                "format": "specjax-corpus",
+                "provenance": provenance,
+                "sha256": files.sha256_file(tmp),
+            }
+            files.write_text(_sidecar(cache), json.dumps(record, indent=1), lambda p: True)
     return tokens
 
 
@@ -134,47 +237,74 @@ def batch_indices(position: int, batch: int, n: int, seed: int) -> np.ndarray:
 MANIFEST = "manifest.json"
 
 
+def store_provenance(target_id: str, tokens_NT: np.ndarray, dtype: str = "float32") -> dict:
+    """What a feature store depends on: the target that computed the features, the token rows, their dtype."""
+    return {"target": target_id, "tokens_sha256": array_digest(tokens_NT), "dtype": dtype}
+
+
+def _is_store(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("format") == "specjax-feature-store"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def build_feature_store(
-    folder: str | Path, tokens_NT: np.ndarray, features_fn, shard_size: int = 256, dtype: str = "float32"
+    folder: str | Path,
+    tokens_NT: np.ndarray,
+    features_fn,
+    shard_size: int = 256,
+    dtype: str = "float32",
+    provenance: dict | None = None,
 ) -> dict:
     """Writes the target's features of every sequence into shards `features_XXXXX.npy` ([n, T, H]) next to
-    `tokens.npy`, then `manifest.json` last (a store without a manifest is incomplete). `features_fn(tokens)`
-    returns `[n, T, H]`. Returns the manifest, including the bytes of storage per training token."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _save_npy(folder / "tokens.npy", tokens_NT)
-    shards = []
-    for i, start in enumerate(range(0, len(tokens_NT), shard_size)):
-        feats = np.asarray(features_fn(tokens_NT[start : start + shard_size])).astype(dtype)
-        name = f"features_{i:05d}.npy"
-        _save_npy(folder / name, feats)
-        shards.append({"file": name, "rows": int(feats.shape[0])})
-    dim = int(feats.shape[-1])
-    manifest = {
-        "rows": int(len(tokens_NT)),
-        "seq_len": int(tokens_NT.shape[1]),
-        "dim": dim,
-        "dtype": dtype,
-        "shards": shards,
-        "bytes_per_token": dim * np.dtype(dtype).itemsize + 4,
-    }
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    `tokens.npy` and `manifest.json` (with `provenance`), in a temporary folder beside `folder` renamed into
+    place when complete: `folder` must not exist yet (or be empty). `features_fn(tokens)` returns `[n, T, H]`.
+    Returns the manifest, including the bytes of storage per training token."""
+    with files.atomic_dir(folder, what="feature store") as tmp:
+        _save_npy(tmp / "tokens.npy", tokens_NT)
+        shards = []
+        for i, start in enumerate(range(0, len(tokens_NT), shard_size)):
+            feats = np.asarray(features_fn(tokens_NT[start : start + shard_size])).astype(dtype)
+            name = f"features_{i:05d}.npy"
+            _save_npy(tmp / name, feats)
+            shards.append({"file": name, "rows": int(feats.shape[0])})
+        dim = int(feats.shape[-1])
+        manifest = {
+            "format": "specjax-feature-store",
+            "provenance": provenance,
+            "rows": int(len(tokens_NT)),
+            "seq_len": int(tokens_NT.shape[1]),
+            "dim": dim,
+            "dtype": dtype,
+            "shards": shards,
+            "bytes_per_token": dim * np.dtype(dtype).itemsize + 4,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
 class FeatureStore:
-    """Read side of `build_feature_store`: memory-mapped shards, rows gathered by global index."""
+    """Read side of `build_feature_store`: memory-mapped shards, rows gathered by global index. With
+    `provenance`, a store built from another target, other tokens or another dtype is refused."""
 
-    def __init__(self, folder: str | Path):
-        folder = Path(folder)
+    def __init__(self, folder: str | Path, provenance: dict | None = None):
+        folder = Path(folder).absolute()
         if not (folder / MANIFEST).exists():
             raise FileNotFoundError(
                 f"{folder} has no {MANIFEST}: the feature store is missing or was not finished; rebuild it"
             )
         self.manifest = json.loads((folder / MANIFEST).read_text())
-        self.tokens = np.load(folder / "tokens.npy")
+        if provenance is not None and self.manifest.get("provenance") != provenance:
+            recorded = self.manifest.get("provenance") or {}
+            names = {"target": "target", "tokens_sha256": "corpus", "dtype": "dtype"}
+            changed = [names.get(k, k) for k in provenance if recorded.get(k) != provenance[k]]
+            raise files.ProvenanceError(
+                f"feature store {folder} was built from another "
+                f"{', '.join(changed) if recorded else 'target or corpus (it records no provenance)'} "
+                "than this run's; set data.store to a new folder (or delete this one to rebuild it)"
+            )
+        self.tokens = np.load(folder / "tokens.npy", allow_pickle=False)
         self.shards = [np.load(folder / s["file"], mmap_mode="r") for s in self.manifest["shards"]]
         self.starts = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
 

@@ -5,6 +5,11 @@ are replicated, the frozen target's matrices are split over `model` along their 
 runs on one CPU device or a pod. Checkpoints (head params, optimiser state, step, data position) go to
 `WORKDIR/checkpoints` through an Orbax `CheckpointManager`; a restart resumes from the latest finished one.
 Metrics go to the log, `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR/tensorboard`.
+
+Safety: the config is validated before anything is loaded; the workdir is locked while a run uses it
+(`WORKDIR/.lock`); the first run records its resolved config and the target's identity in `WORKDIR/config.json`
+and a resumed run with another one is refused (unless `train.allow_config_change`); a non-finite loss or
+gradient stops the run with NonFiniteLossError and keeps the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -16,17 +21,25 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import checkpoint, heads
-from specjax.drafters.eagle import layer_config
+from specjax import checkpoint, files, heads
+from specjax.drafters import registry
 from specjax.models.loading import load_tokenizer
 from specjax.models.weights import CheckpointError
 from specjax.training import data, losses
+from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
+
+CONFIG = "config.json"  # the resolved config of the run that started the workdir, and the target's identity
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient became NaN or infinite; the run stopped and kept its last good checkpoint."""
 
 
 def make_mesh(n_data: int = -1, n_model: int = 1) -> Mesh:
@@ -83,12 +96,8 @@ def loss_fn(meta: dict, config, graphdef, target):
     def loss(params, target_params, tokens, feats, key):
         if feats is None:
             feats = losses.target_features(cfg, target_graphdef, target_params, tokens)
-        if meta["method"] == "medusa":
-            return losses.medusa_loss(graphdef, params, feats, tokens, h.decay)
         full = heads.drafter_params(meta, params, cfg, target_params)
-        return losses.eagle_loss(
-            graphdef, layer_config(cfg), full, feats, tokens, key, h.noise, h.ce_weight
-        )
+        return registry.trained(meta["method"]).loss(graphdef, cfg, full, feats, tokens, key, h)
 
     return loss
 
@@ -115,42 +124,112 @@ class Logger:
         self.tb.close()
 
 
+def record_config(config, workdir: Path, target_id: str, resuming: bool) -> None:
+    """Records the run's config in `WORKDIR/config.json`; a resumed run whose config differs (beyond the
+    OPERATIONAL keys) or whose target differs is refused unless `train.allow_config_change`."""
+    path = workdir / CONFIG
+    now = json.loads(json.dumps({"config": flatten(config), "target_id": target_id}, default=str))
+    if resuming and path.exists():
+        try:
+            old = json.loads(path.read_text())
+            before = {**old["config"], "target (identity)": old["target_id"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            if not config.train.allow_config_change:
+                raise files.ProvenanceError(
+                    f"{path} is corrupt, so this resumed run cannot be checked against the run that started "
+                    "the workdir; restore the file, or pass --config.train.allow_config_change=True"
+                ) from None
+            old, before = None, {}
+        after = {**now["config"], "target (identity)": target_id}
+        changed = [
+            f"{k}: {before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r}"
+            for k in sorted(set(before) | set(after))
+            if k not in OPERATIONAL and before.get(k) != after.get(k)
+        ]
+        if changed and not config.train.allow_config_change:
+            raise files.ProvenanceError(
+                f"workdir {workdir} was trained with another config ({'; '.join(changed[:6])}"
+                f"{'; ...' if len(changed) > 6 else ''}); resume with the recorded config ({path}), use a new "
+                "--workdir, or pass --config.train.allow_config_change=True to continue knowingly"
+            )
+        if changed:
+            logging.warning("resuming %s with a changed config: %s", workdir, "; ".join(changed))
+        elif old == now:
+            return
+    elif resuming:
+        logging.warning("%s records no config (an older specjax started it): recording this run's", workdir)
+    files.write_text(path, json.dumps(now, indent=1), replaceable=lambda p: True)
+
+
 def train(
     config, workdir: str | Path, stop_at: int | None = None, stop: threading.Event | None = None
 ) -> dict:
     """Trains heads per `config` in `workdir`, resuming from its latest checkpoint; stops after step
     `config.train.steps` (or `stop_at`, for a time-sliced run), or after the step during which `stop` is set
     (preemption), saving that step. Returns the last logged metrics and timing."""
+    validate(config)
+    workdir = Path(workdir).absolute()
+    with files.locked(workdir):
+        return _train(config, workdir, stop_at, stop)
+
+
+def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | None) -> dict:
     import orbax.checkpoint as ocp
 
-    workdir = Path(workdir).absolute()
-    if config.method not in heads.METHODS:
-        raise ValueError(f"config.method must be one of {heads.METHODS}, got {config.method!r}")
     t = config.train
     mesh = make_mesh(config.mesh.data, config.mesh.model)
     n_data = mesh.shape["data"]
     if t.batch_size % n_data:
-        raise ValueError(
+        raise TrainingConfigError(
             f"train.batch_size {t.batch_size} must divide evenly over the {n_data} data-parallel "
             "devices; change one of them"
         )
     target, tokenizer = load_target(config, mesh)
     cfg, _, target_params = target
-    shape = (
-        {"num_heads": config.heads.num_heads, "num_layers": config.heads.num_layers}
-        if config.method == "medusa"
-        else {}
+    d = config.data
+    if d.seq_len > cfg.max_seq_len:
+        raise TrainingConfigError(
+            f"config data.seq_len={d.seq_len} exceeds the target's context of {cfg.max_seq_len} tokens; "
+            f"pass --config.data.seq_len={cfg.max_seq_len} or less"
+        )
+    if d.source == "self_distill" and d.sample_len + 1 > cfg.max_seq_len:
+        raise TrainingConfigError(
+            f"config data.sample_len={d.sample_len} (+ BOS) exceeds the target's context of "
+            f"{cfg.max_seq_len} tokens; pass --config.data.sample_len={cfg.max_seq_len - 1} or less"
+        )
+    target_id = checkpoint.identity(Path(config.target).absolute(), cfg, target_params)
+    meta = heads.describe(config.method, registry.trained(config.method).shape_of(config.heads), cfg)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
     )
-    meta = heads.describe(config.method, shape, cfg)
-    heads.write_meta(workdir, meta)
+    manager = ocp.CheckpointManager(workdir / "checkpoints", options=options)
+    try:
+        return _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, meta, manager)
+    finally:
+        manager.close()
 
-    tokens = data.load_corpus(config, target, tokenizer)
+
+def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, meta, manager) -> dict:
+    import orbax.checkpoint as ocp
+
+    t = config.train
+    cfg, _, target_params = target
+    heads.write_meta(
+        workdir, meta
+    )  # other heads in this workdir: refused, whatever allow_config_change says
+    record_config(config, workdir, target_id, resuming=manager.latest_step() is not None)
+
+    tokens = data.load_corpus(config, target, tokenizer, target_id)
     store = None
     if config.data.features == "store":
-        store = _feature_store(config, target, tokens)
+        store = _feature_store(config, target, tokens, target_id)
         tokens = store.tokens
-    elif config.data.features != "online":
-        raise ValueError(f"data.features must be 'online' or 'store', got {config.data.features!r}")
+    if len(tokens) < t.batch_size:
+        raise data.DataError(
+            f"the corpus holds {len(tokens)} sequences of {config.data.seq_len} tokens, fewer than one batch "
+            f"of {t.batch_size} (it would be repeated within a batch); add data, or lower train.batch_size "
+            "or data.seq_len"
+        )
 
     graphdef, params = heads.new_heads(meta, cfg, target_params, config.seed)
     optimizer = make_optimizer(config.optimizer, t.steps)
@@ -161,21 +240,20 @@ def train(
     loss = loss_fn(meta, config, graphdef, target)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, target_params, tokens, feats, key):
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
+    def train_step(params, opt_state, target_params, tokens, feats, key, step, first_bad):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
             params, target_params, tokens, feats, key
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         return (
             optax.apply_updates(params, updates),
             opt_state,
-            metrics | {"grad_norm": optax.tree.norm(grads)},
+            metrics | {"grad_norm": grad_norm},
+            jnp.where((first_bad < 0) & ~finite, step, first_bad),  # the first step with a non-finite loss
         )
 
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
-    )
-    manager = ocp.CheckpointManager(workdir / "checkpoints", options=options)
     step, position = 0, 0
     if manager.latest_step() is not None:
         step = manager.latest_step()
@@ -204,7 +282,20 @@ def train(
         )
         logging.info("resumed from step %d (data position %d) in %s", step, position, workdir)
 
+    first_bad = jnp.asarray(-1, jnp.int32)
+
+    def check_finite():
+        bad = int(first_bad)
+        if bad >= 0:
+            good = manager.latest_step()
+            raise NonFiniteLossError(
+                f"the loss became non-finite at step {bad}, so the run stopped "
+                f"({'no checkpoint was saved' if good is None else f'its last good checkpoint, step {good}, is kept'})"
+                "; lower optimizer.lr, raise optimizer.warmup_steps or check the data, then resume"
+            )
+
     def save():
+        check_finite()  # never save non-finite parameters over good ones
         manager.save(
             step,
             force=True,
@@ -225,37 +316,41 @@ def train(
             window_tokens += batch.size
             feats = None if store is None else jax.device_put(store.features(rows), batch_sharding)
             key = jax.random.fold_in(jax.random.key(config.seed), step)
-            params, opt_state, metrics = train_step(params, opt_state, target_params, batch, feats, key)
+            params, opt_state, metrics, first_bad = train_step(
+                params, opt_state, target_params, batch, feats, key, step + 1, first_bad
+            )
             step, position = step + 1, position + t.batch_size
             if step % t.checkpoint_every == 0:
                 save()
             if step % t.log_every == 0 or step == end:
+                check_finite()
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 last["tokens_per_s"] = window_tokens / (time.perf_counter() - window_start)
                 logger(step, last)
                 window_start, window_tokens = time.perf_counter(), 0
-    finally:  # finished or interrupted (Ctrl-C included): keep the last step
-        if step > 0 and manager.latest_step() != step:
-            save()
-        manager.wait_until_finished()
-        manager.close()
-        logger.close()
+    finally:  # finished or interrupted (Ctrl-C included): keep the last step, if its parameters are finite
+        try:
+            if step > 0 and manager.latest_step() != step and int(first_bad) < 0:
+                save()
+            manager.wait_until_finished()
+        finally:
+            logger.close()
     return {"step": step, **last}
 
 
-def _feature_store(config, target, tokens):
-    """Opens `config.data.store`, building it first (once) from the frozen target."""
+def _feature_store(config, target, tokens, target_id: str):
+    """Opens `config.data.store`, building it first (once) from the frozen target; a store built from another
+    target or other tokens is refused."""
     cfg, graphdef, params = target
-    folder = Path(config.data.store or "").absolute()
-    if not config.data.store:
-        raise ValueError("data.features = 'store' needs data.store, a folder for the precomputed features")
+    folder = Path(config.data.store).absolute()
+    provenance = data.store_provenance(target_id, tokens)
     if not (folder / data.MANIFEST).exists():
         features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t))
-        manifest = data.build_feature_store(folder, tokens, features)
+        manifest = data.build_feature_store(folder, tokens, features, provenance=provenance)
         logging.info(
             "feature store %s: %d sequences, %d bytes per token",
             folder,
             manifest["rows"],
             manifest["bytes_per_token"],
         )
-    return data.FeatureStore(folder)
+    return data.FeatureStore(folder, provenance)

@@ -1,31 +1,20 @@
-"""Acceptance rules for a chain of K draft tokens, batched, static shapes, no host round trips.
+"""Token-wise speculative (rejection) sampling for chains and trees, and `TokenWise`, the default rule.
 
-Each rule returns per-row `(n_accepted[B], next_token[B])`: the first `n_accepted` draft tokens are
-kept and `next_token` follows them (the target's correction at the first rejection, or the bonus
-token when all K are accepted). The first rejection is found with a cumulative product.
+Each function returns per-row `(n_accepted[B], next_token[B])` (trees also the accepted path): the first
+`n_accepted` draft tokens are kept and `next_token` follows them (the target's correction at the first
+rejection, or the bonus token when all are accepted). The first rejection is found with a cumulative product.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import argmax, inverse_cdf
-
-
-def first_rejection(accept_BK: jax.Array) -> jax.Array:
-    """Number of leading True entries per row."""
-    return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=-1), axis=-1)
-
-
-def greedy_chain(draft_BK: jax.Array, target_logits_BKV: jax.Array):
-    """Longest prefix where the draft equals the target's argmax, then the target's own token.
-
-    `target_logits_BKV` has K+1 positions: position i scores the token after draft token i-1.
-    """
-    target = argmax(target_logits_BKV)  # [B, K+1]
-    n = first_rejection(draft_BK == target[:, :-1])
-    return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
+from specjax.acceptance.base import register
+from specjax.acceptance.greedy import first_rejection, greedy_chain, greedy_tree
+from specjax.sampling import inverse_cdf
 
 
 def acceptance_probs(draft_BK: jax.Array, q_BKV: jax.Array | None, p_BKV: jax.Array) -> jax.Array:
@@ -64,24 +53,6 @@ def speculative_sampling(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array |
 
 
 # --- trees ------------------------------------------------------------------------------------------
-
-
-def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
-    """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
-
-    `layout` is a `specjax.trees.TreeLayout`. Returns (n_accepted [B], next_token [B],
-    path [B, D]: accepted node indices by depth, 0 padded)."""
-    target = argmax(target_logits_BNV)  # [B, N+1]
-    parent_target = jnp.take_along_axis(target, layout.parent, axis=1)
-    ok = jnp.concatenate([jnp.ones_like(draft_BN[:, :1], bool), draft_BN == parent_target[:, 1:]], axis=1)
-    for _ in range(layout.ancestors.shape[-1]):  # a node is kept only if its whole path matches
-        ok = ok & jnp.take_along_axis(ok, layout.parent, axis=1)
-    n_nodes = ok.shape[1]
-    best = jnp.argmax(
-        jnp.where(ok, layout.depth * n_nodes + (n_nodes - 1 - jnp.arange(n_nodes)), -1), axis=1
-    )
-    rows = jnp.arange(draft_BN.shape[0])
-    return layout.depth[rows, best], target[rows, best], layout.ancestors[rows, best]
 
 
 def sibling_step(p_BV, q_BV, x_B, without_replacement: bool):
@@ -137,3 +108,23 @@ def tree_sampling(key, layout, draft_BN, q_BNV, p_BNV, without_replacement: bool
         node, walking = chosen, walking & moved
     n = jnp.sum(jnp.stack(path, 1) > 0, axis=1)
     return n, inverse_cdf(p, u[-1]), jnp.stack(path, axis=1)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class TokenWise:
+    """Lossless: greedy samplers keep the longest prefix equal to the target's argmax (`greedy`); sampled
+    ones use rejection sampling, token by token along a chain, recursively over siblings in a tree."""
+
+    name = "tokenwise"
+    lossless = True
+
+    def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
+        if sampler.greedy:
+            return greedy_chain(draft_BK, logits_BKV)
+        return speculative_sampling(key, draft_BK, q_BKV, sampler.probs(logits_BKV))
+
+    def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
+        if sampler.greedy:
+            return greedy_tree(layout, draft_BN, logits_BNV)
+        return tree_sampling(key, layout, draft_BN, q_BNV, sampler.probs(logits_BNV), without_replacement)

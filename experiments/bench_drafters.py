@@ -1,0 +1,220 @@
+"""Training-free drafters on stories260K: n-gram prompt lookup (chains, n ranges, trees) vs AR, side by side with
+transformers' prompt lookup on the same weights and prompts.
+
+    .venv/bin/python -m experiments.bench_drafters [--repeats=5] [--hf_repeats=3] [--new_tokens=128] [--smoke]
+
+20 fixed prompts: 10 free story openings and 10 input-grounded ones (a short story, then its first sentence again:
+the continuation retells it, repeating the prompt's names and phrases, as in summarisation or code editing).
+Per setting and temperature: tau (all prompts, grounded, free), draft efficiency = accepted / (rounds x depth),
+tokens/s and speedup over specjax AR, the AR and speculative runs timed in turn per prompt (batch 1, medians,
+summed over the prompts); transformers' `generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=max_ngram)`
+on the same prompts: tokens/s and tau = new tokens / target forward passes (counted with a forward hook; its
+first pass reads the prompt and verifies a draft, specjax's prefill only emits the first token, so transformers'
+tau counts one more token over one more pass). transformers matches n-grams of length 1..max only, so its
+columns are given for the chains with min_ngram = 1. Both sides decode exactly `new_tokens` tokens, EOS
+included (specjax `eos_id=None`, transformers `eos_token_id=None`).
+Writes results/bench_drafters.{md,csv} (--smoke: bench_drafters_smoke, a few tokens on 2 prompts).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+import transformers
+from absl import app, flags, logging
+
+from experiments import common
+from specjax.decoding import GenerateSpec, compile_decode
+from specjax.drafters.ngram import NGram
+from specjax.models.loading import load_model
+from specjax.sampling import Sampler
+
+flags.DEFINE_integer("repeats", 5, "Timed runs of each specjax decode per prompt (median).")
+flags.DEFINE_integer("hf_repeats", 2, "Timed runs of each transformers generation per prompt (median).")
+flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
+flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+flags.DEFINE_bool("hf", True, "Also run transformers' prompt lookup.")
+flags.DEFINE_integer(
+    "hf_threads",
+    1,
+    "PyTorch threads (on 2 shared cores, 2 threads ran stories260K's generate ~10x slower).",
+)
+flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, one setting, one repetition.")
+flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+FLAGS = flags.FLAGS
+
+FREE = [
+    "Once upon a time",
+    "Once upon a time, there was a little girl named",
+    "Tom and his dog went to the",
+    "Lily wanted to",
+    "One day, a big bear",
+    "The sun was hot and the",
+    "There was a small bird who",
+    "Ben and Mia were best friends.",
+    "In the park, the children",
+    "It was a rainy day and",
+]
+STORIES = [
+    "Once upon a time, there was a dog named Max. Max loved to play with his red ball in the park. "
+    "One day, Max lost his ball. He looked under the big tree and found it.",
+    "Lily had a pretty doll. She took the doll everywhere. One day, Lily and her mom went to the store. "
+    "Lily held her doll and smiled.",
+    "Tom saw a little bird in the garden. The bird was sad because it could not fly. "
+    "Tom gave the bird some water and the bird was happy.",
+    "Sue and Ben went to the beach. They made a big sand castle. A wave came and the castle fell. "
+    "Sue and Ben laughed and made a new castle.",
+    "There was a cat named Kitty. Kitty liked to sleep in the sun. One day, Kitty saw a mouse. "
+    "Kitty ran after the mouse, but the mouse was fast.",
+    "Anna wanted to bake a cake for her mom. She put sugar and eggs in a bowl. "
+    "Anna was happy when her mom ate the cake.",
+    "Once upon a time, there was a little boy named Jack. Jack had a toy car. He played with the car "
+    "every day. One day, the car broke and Jack was sad.",
+    "Mia found a shiny rock in the garden. She showed the rock to her dad. Her dad said it was a "
+    "special rock. Mia kept the rock in her box.",
+    "A big bear lived in the forest. The bear was hungry. He looked for honey in a tree. "
+    "The bear found the honey and ate it all.",
+    "Tim and his friend Sam played with a ball. Sam kicked the ball very high. The ball went over "
+    "the fence. Tim and Sam went to get the ball.",
+]
+# The story, then its first sentence again: the model retells it, reusing its names and phrases.
+GROUNDED = [s + "\n" + s.split(". ")[0] + "." for s in STORIES]
+CHAIN_DEFAULT = (1, 3)  # n range of the chains with K in 2, 4, 8
+
+
+def settings(smoke: bool) -> list[NGram]:
+    if smoke:
+        return [NGram(2, *CHAIN_DEFAULT)]
+    chains = [NGram(k, *CHAIN_DEFAULT) for k in (2, 4, 8)]
+    ranges = [NGram(4, 1, 1), NGram(4, 2, 4), NGram(4, 1, 6)]
+    trees = [NGram(4, 1, 3, branches=3), NGram(8, 1, 3, branches=2)]
+    return chains + ranges + trees
+
+
+def describe(d: NGram) -> str:
+    shape = f"chain K={d.k}" if d.tree is None else f"{d.branches} branches x K={d.k}"
+    return f"{shape}, n={d.min_ngram}..{d.max_ngram}"
+
+
+def spec_rows(target, prompts, grounded, spec, drafters) -> list[dict]:
+    """AR and every drafter on each prompt (batch 1, one padded width: one compile each), timed in turn."""
+    cfg, graphdef, params = target.cfg, target.graphdef, target.params
+    bucket = -(-max(map(len, prompts)) // 16) * 16
+    runs = {"ar": compile_decode(cfg, graphdef, params, prompts[:1], spec, bucket=bucket)[0]}
+    for i, d in enumerate(drafters):
+        runs[i] = compile_decode(cfg, graphdef, params, prompts[:1], spec, d, None, bucket=bucket)[0]
+    seconds = dict.fromkeys(runs, 0.0)
+    stats = {i: [] for i in range(len(drafters))}
+    for p in prompts:
+        fns = {name: (lambda r=run: jax.block_until_ready(r([p]))) for name, run in runs.items()}
+        for name, t in common.interleaved_medians(fns, FLAGS.repeats).items():
+            seconds[name] += t
+        for i in stats:
+            stats[i].append(jax.block_until_ready(runs[i]([p])).stats)
+    n_tokens = len(prompts) * spec.max_new_tokens
+    rows = [dict(drafter="none (AR)", setting="-", tau=1.0, tau_grounded=1.0, tau_free=1.0)]
+    rows[0].update(draft_eff=np.nan, tok_s=n_tokens / seconds["ar"], speedup=1.0)
+    for i, d in enumerate(drafters):
+        tau = lambda rows: (
+            sum(int(s.emitted.sum()) for s in rows) / sum(int(s.row_rounds.sum()) for s in rows)
+        )
+        accepted = sum(int(np.asarray(s.accepted_at).sum()) for s in stats[i])
+        rounds = sum(int(s.row_rounds.sum()) for s in stats[i])
+        rows.append(
+            dict(
+                drafter="ngram",
+                setting=describe(d),
+                tau=tau(stats[i]),
+                tau_grounded=tau([s for s, g in zip(stats[i], grounded) if g]),
+                tau_free=tau([s for s, g in zip(stats[i], grounded) if not g]),
+                draft_eff=accepted / (rounds * d.k),
+                tok_s=n_tokens / seconds[i],
+                speedup=seconds["ar"] / seconds[i],
+            )
+        )
+    return rows
+
+
+def hf_lookup(model, prompts, n: int, temperature: float, k: int | None, max_ngram: int):
+    """(tokens/s, tau) of transformers' generate over the prompts (prompt lookup with K = k; k=None: plain)."""
+    passes = [0]
+    hook = model.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    kwargs = dict(max_new_tokens=n, eos_token_id=None, pad_token_id=0, do_sample=temperature > 0)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    if k is not None:
+        kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=max_ngram)
+    seconds, total_passes, total_new = 0.0, 0, 0
+    try:
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                ids = torch.tensor([p])
+                times = []
+                for r in range(FLAGS.hf_repeats + 1):  # the first run warms up and is counted for tau
+                    torch.manual_seed(1000 * i + r)
+                    passes[0] = 0
+                    start = time.perf_counter()
+                    out = model.generate(ids, **kwargs)
+                    times.append(time.perf_counter() - start)
+                    if r == 0:
+                        total_passes += passes[0]
+                        total_new += out.shape[1] - len(p)
+                seconds += float(np.median(times[1:]))
+    finally:
+        hook.remove()
+    return total_new / seconds, total_new / total_passes
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    smoke = FLAGS.smoke
+    if smoke:
+        FLAGS.repeats, FLAGS.hf_repeats, FLAGS.new_tokens = 1, 1, 16
+    common.RESULTS = Path(FLAGS.results)  # where write_table writes
+    target = load_model()
+    texts = [(t, True) for t in GROUNDED] + [(t, False) for t in FREE]
+    if smoke:
+        texts = [texts[0], texts[-1]]
+    prompts = [target.tokenizer.encode(t) for t, _ in texts]
+    grounded = [g for _, g in texts]
+    drafters = settings(smoke)
+    torch.set_num_threads(FLAGS.hf_threads)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval() if FLAGS.hf else None
+    n, rows = FLAGS.new_tokens, []
+    for temperature in map(float, FLAGS.temperatures):
+        spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
+        block = spec_rows(target, prompts, grounded, spec, drafters)
+        for row, d in zip(block, [None, *drafters]):
+            hf = (np.nan, np.nan)
+            if FLAGS.hf and (d is None or (d.tree is None and d.min_ngram == 1)):
+                hf = hf_lookup(hf_model, prompts, n, temperature, d and d.k, d.max_ngram if d else 0)
+            rows.append(
+                dict(
+                    drafter=row["drafter"],
+                    setting=row["setting"],
+                    T=temperature,
+                    **{k: v for k, v in row.items() if k not in ("drafter", "setting")},
+                    hf_tau=hf[1],
+                    hf_tok_s=hf[0],
+                    tau_vs_hf=row["tau"] / hf[1],
+                    tok_s_vs_hf=row["tok_s"] / hf[0],
+                )
+            )
+            print(rows[-1], flush=True)
+    title = (
+        f"N-gram prompt lookup on stories260K vs AR and transformers {transformers.__version__} prompt lookup "
+        f"(PyTorch {torch.__version__}): batch 1, {len(prompts)} prompts ({sum(grounded)} input-grounded) x {n} "
+        f"new tokens, float32, CPU, medians of {FLAGS.repeats} (transformers {FLAGS.hf_repeats}); "
+        "draft_eff = accepted / (rounds x depth); hf_tau = new tokens / target passes"
+    )
+    print(common.write_table("bench_drafters_smoke" if smoke else "bench_drafters", rows, title))
+
+
+if __name__ == "__main__":
+    app.run(main)

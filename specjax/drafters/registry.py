@@ -1,0 +1,83 @@
+"""The drafter registry: every draft source registers its name, settings, builder and (for trained heads)
+its initialiser and loss, and `run_decode.py`, `specjax.heads`, the trainer and the benchmarks look it up.
+
+Adding a drafter is one module that calls `register` at import; built-in modules are imported on first
+lookup (`BUILTIN`), any other module by importing it before the lookup (a test, a plugin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+BUILTIN = ("draft_model", "medusa", "eagle", "ngram")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedHeads:
+    """How a trained head type is made, trained and turned into a drafter (`specjax.heads`, the trainer).
+
+    init(shape: dict, target_cfg, target_params, seed) -> (graphdef, params as a pure dict);
+    drafter_params(params, target_cfg, target_params) -> what the drafter's functions take;
+    drafter(shape: dict, graphdef, target_cfg, k, sampler, tree) -> Drafter;
+    loss(graphdef, target_cfg, drafter_params, feats_BTH, tokens_BT, key, config.heads) -> (loss, metrics);
+    shape_of(config.heads) -> the head shape recorded in heads.json."""
+
+    init: Callable
+    drafter_params: Callable
+    drafter: Callable
+    loss: Callable
+    shape_of: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A registered drafter. `settings` is a dataclass whose fields are the drafter's own options (the
+    flags of `run_decode.py`, with their defaults and help in `help`); `build(target, settings, k, tree,
+    sampler)` returns (drafter, drafter params) for a loaded target (`specjax.models.loading.LoadedModel`)."""
+
+    name: str
+    settings: type
+    build: Callable
+    help: dict = dataclasses.field(default_factory=dict)
+    heads: TrainedHeads | None = None
+
+
+DRAFTERS: dict[str, Entry] = {}
+
+
+def register(entry: Entry) -> Entry:
+    DRAFTERS[entry.name] = entry
+    return entry
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN:
+        importlib.import_module(f"specjax.drafters.{module}")
+
+
+def names() -> list[str]:
+    _load_builtins()
+    return sorted(DRAFTERS)
+
+
+def get(name: str) -> Entry:
+    """The registered drafter `name`; an unknown name is an error listing the known ones."""
+    _load_builtins()
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {sorted(DRAFTERS)}")
+    return DRAFTERS[name]
+
+
+def head_methods() -> list[str]:
+    """The drafters that train heads (`train_heads.py --config.method=...`)."""
+    _load_builtins()
+    return sorted(n for n, e in DRAFTERS.items() if e.heads is not None)
+
+
+def trained(name: str) -> TrainedHeads:
+    """The trained-head description of drafter `name`; an error if it trains no heads."""
+    if name not in head_methods():
+        raise ValueError(f"{name!r} is not a drafter with trained heads; choose one of {head_methods()}")
+    return DRAFTERS[name].heads

@@ -25,6 +25,12 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	$(PY) -m experiments.bench_ar
 
+# Speculative decoding on stories260K expanded to a memory-bound 372 MB target (synthetic cost, real distribution):
+# verify-cost curve, bandwidth and FLOP/s, every drafter at T=0/1 and batch 1/4 (about an hour on 2 busy cores).
+.PHONY: bench-memory
+bench-memory: $(VENV)/.base
+	$(PY) -m experiments.bench_memory_bound
+
 # Trains the default Medusa and EAGLE heads on stories260K (about 10 + 6 minutes on 2 cores) into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K

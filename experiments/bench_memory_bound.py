@@ -1,0 +1,548 @@
+"""Speculative decoding where it pays: a memory-bound target with stories260K's exact distribution.
+
+    .venv/bin/python -m experiments.bench_memory_bound [--smoke] [--prompts=4] [--new_tokens=64] [--repeats=3]
+        [--batches=1,4] [--temperatures=0,1] [--results=results]
+
+The target is stories260K expanded without changing its function (`specjax.models.expand`: *synthetic cost, real
+distribution*): 32 layers of width 512, 372 MB of float32 weights read per token. Its trained Medusa and EAGLE
+heads are expanded the same way, so tau and alpha are stories260K's and the costs are those of a memory-bound
+model. Three tables (results/NAME_{machine,curve,pilot,decode}.{md,csv}):
+
+- machine and verify-cost curve: read bandwidth (a compiled sum over 512 MB) and matmul FLOP/s measured in the
+  same run, taking turns with one target pass over T = 1, 2, 4, ..., 64 new tokens (batch 1 and 4; stories260K at
+  batch 1), next to the bandwidth floor (weights + the KV cache read / bandwidth) and the compute roof
+  (2 x parameters x tokens / FLOP/s).
+- pilot: EAGLE's tau for chain lengths and dynamic-tree budgets, measured on stories260K itself (the expansion
+  keeps every draft, so tau carries over), turned into a predicted speedup with the curve: the decode table uses
+  the best chain K and the two best dynamic budgets, and static trees of the best budget.
+- decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), n-gram
+  lookup, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) at each temperature and batch:
+  tau, pooled acceptance rate a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the
+  round's target pass / a 1-token pass, from the curve), tokens/s, speedup over AR (median of per-repetition
+  ratios, the runs taking turns), the analytic prediction E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a)
+  for chains and the measured tau for trees, and measured / predicted. AR's row gives its fraction of the
+  bandwidth floor.
+
+Rows the expansion makes trivial are left out: a draft of every original layer (skipping the inserted ones) or
+stories260K itself as the draft is the target's own function at a fraction of its cost (tau = K + 1 for free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import common
+from specjax.analysis import expected_tokens_per_round
+from specjax.drafters.base import target_io
+from specjax.models import expand
+from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.loading import load_model
+from specjax.sampling import Sampler
+from specjax.trees import DynamicTree, medusa_like
+
+PROMPTS = [
+    "Once upon a time",
+    "Tom and his dog went to the",
+    "Lily wanted to",
+    "One day, a big bear",
+    "The sun was hot and the",
+    "Sam had a red ball.",
+    "There was a small bird who",
+    "Ben and Mia were best friends.",
+]
+HEADS = Path(__file__).resolve().parents[1] / "heads"
+KINDS = (
+    "draft model",
+    "n-gram",
+    "medusa chain",
+    "medusa tree",
+    "eagle chain",
+    "eagle tree",
+    "eagle dynamic",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    expansion: expand.Expansion = expand.Expansion()
+    prompts: int = 4
+    new_tokens: int = 64
+    repeats: int = 3
+    batches: tuple[int, ...] = (1, 4)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    draft_layers: int = 2  # original layers of the draft model
+    curve: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    calls: int = 8  # target passes per timed loop of the curve
+    bandwidth_mb: int = 512
+    chain_ks: tuple[int, ...] = (2, 3, 4, 5)  # EAGLE chains the pilot tries
+    dynamic: tuple[tuple[int, int, int], ...] = ((2, 3, 3), (2, 4, 7), (4, 5, 15), (4, 6, 31), (8, 6, 63))
+    pilot_tokens: int = 48
+    kinds: tuple[str, ...] = KINDS  # which drafter rows (see `methods`)
+    name: str = "bench_memory_bound"
+
+
+SMOKE = Settings(
+    expansion=expand.SMOKE,
+    prompts=2,
+    new_tokens=8,
+    repeats=1,
+    batches=(1,),
+    temperatures=(0.0,),
+    curve=(1, 2),
+    calls=2,
+    bandwidth_mb=16,
+    chain_ks=(2,),
+    dynamic=(),
+    pilot_tokens=8,
+    kinds=("draft model", "eagle chain"),
+    name="bench_memory_bound_smoke",
+)
+
+
+# --- timing ----------------------------------------------------------------------------------------------
+
+
+def pass_loop(step, params, cache, b: int, t: int, calls: int):
+    """A function running `calls` chained passes of `step(params, tokens_BT, positions_BT, cache, mask) ->
+    (logits, cache)` over t new tokens per row (each pass's input depends on the last one's logits through their
+    max: no argmax or sampling is timed). The cache is made inside the loop's jit (no copy of a non-donated
+    buffer is timed) with `cache.length` committed slots; the passes write after them without committing."""
+    length = cache.length
+
+    @jax.jit
+    def loop(params):
+        c = jax.tree.map(jnp.zeros_like, cache).with_length(length)
+
+        def body(_, carry):
+            tokens, c = carry
+            positions = c.length[:, None] + jnp.arange(t)[None] + (tokens > 10**9)
+            logits, c = step(params, tokens, positions, c, causal_mask(t))
+            return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), c
+
+        return jax.lax.fori_loop(0, calls, body, (jnp.ones((b, t), jnp.int32), c))[0]
+
+    compiled = loop.lower(params).compile()
+    return lambda: jax.block_until_ready(compiled(params))
+
+
+def model_step(graphdef):
+    return lambda params, tokens, positions, cache, mask: forward(
+        graphdef, params, tokens, positions, cache, mask
+    )[::2]
+
+
+def eagle_step(graphdef, dim: int):
+    from specjax.drafters.eagle import eagle_apply
+
+    def step(params, tokens, positions, cache, mask):
+        feats = jnp.zeros(tokens.shape + (dim,), jnp.float32)
+        logits, _, cache = eagle_apply(graphdef, params, tokens, feats, positions, cache, mask)
+        return logits, cache
+
+    return step
+
+
+def medusa_loop(graphdef, params, b: int, dim: int, calls: int):
+    from specjax.drafters.medusa import medusa_logits
+
+    @jax.jit
+    def loop(params):
+        def body(_, f):
+            return f + (jnp.max(medusa_logits(graphdef, params, f)) > 1e30)
+
+        return jax.lax.fori_loop(0, calls, body, jnp.ones((b, dim), jnp.float32))
+
+    compiled = loop.lower(params).compile()
+    return lambda: jax.block_until_ready(compiled(params))
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """{name: [seconds per repetition]}: one warm-up each, then the functions in turn, `repeats` times (the
+    times of one repetition saw the same machine; ratios are taken within a repetition)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def bandwidth_fn(mbytes: int):
+    x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return x.nbytes, lambda: total(x).block_until_ready()
+
+
+def matmul_fn():
+    a = jnp.ones((512, 2048), jnp.float32)
+    w = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda a, w: jnp.sum(a @ w))
+    return 2 * a.shape[0] * a.shape[1] * w.shape[1], lambda: mm(a, w).block_until_ready()
+
+
+def interp_cost(curve: dict, t: int) -> float:
+    """Cost of a pass over t tokens from the measured curve {T: seconds}, log-linear between its points."""
+    ts = sorted(curve)
+    return float(np.interp(np.log2(t), np.log2(ts), [curve[x] for x in ts]))
+
+
+# --- the decoding API (kept in these functions) -----------------------------------------------------------
+
+
+def load(settings: Settings):
+    """stories260K, its expansion, the draft model of the first original layers, and the expanded heads."""
+    from specjax import heads
+
+    small = load_model()
+    e = settings.expansion
+    cfg, graphdef, params = expand.expand(small.cfg, small.params, e)
+    draft = expand.truncated_original(cfg, params, e, small.cfg.n_layers, settings.draft_layers)
+    loaded = {}
+    for method in ("medusa", "eagle"):
+        meta, hgraph, hparams = heads.load_heads(HEADS / f"stories260K_{method}", small.cfg, small.params)
+        big = expand.expand_heads(meta, hparams, small.cfg, cfg, params, e)
+        loaded[method] = {"small": (meta, hgraph, hparams), "big": big}
+    return small, (cfg, graphdef, params), draft, loaded
+
+
+def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, which: str = "big"):
+    """(drafter, drafter params) for `method` on the expanded target (`which="big"`) or on stories260K."""
+    from specjax import heads
+    from specjax.drafters import registry
+    from specjax.drafters.draft_model import DraftModel
+
+    cfg, _, params = target
+    if method == "draft model":
+        dcfg, dgraph, dparams = draft
+        return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
+    if method == "n-gram":
+        entry = registry.get("ngram")
+        return entry.build(None, entry.settings(), k, tree, sampler)
+    meta, hgraph, hparams = loaded[method][which]
+    return heads.make_drafter(meta, hgraph, cfg, k, sampler, tree), heads.drafter_params(
+        meta, hparams, cfg, params
+    )
+
+
+def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None):
+    from specjax.decoding import GenerateSpec, compile_decode
+
+    cfg, graphdef, params = target
+    spec = GenerateSpec(eos_id=None, **spec_kw)
+    run, _ = compile_decode(cfg, graphdef, params, prompts, spec, drafter, dparams, bucket=32)
+    return run
+
+
+def pilot_taus(settings: Settings, small, loaded) -> dict:
+    """EAGLE's tau on stories260K itself (greedy, batch 1) for each candidate chain K and dynamic tree."""
+    from specjax.decoding import GenerateSpec, speculative_generate
+    from specjax.metrics import summarize
+
+    prompts = [small.tokenizer.encode(p) for p in PROMPTS[:2]]
+    target = (small.cfg, small.graphdef, small.params)
+    shapes = [(k, None) for k in settings.chain_ks] + [(d[1], DynamicTree(*d)) for d in settings.dynamic]
+    if len(shapes) == 1:  # nothing to choose
+        return {shapes[0]: float("nan")}
+    taus = {}
+    for k, tree in shapes:
+        drafter, dp = make_drafter("eagle", target, None, loaded, k, tree, Sampler(), which="small")
+        gen = speculative_generate(
+            *target, drafter, dp, prompts, GenerateSpec(settings.pilot_tokens, eos_id=None)
+        )
+        taus[(k, tree)] = summarize(gen.stats)["tau"]
+    return taus
+
+
+# --- the benchmark ---------------------------------------------------------------------------------------
+
+
+def measure_curve(settings: Settings, small, target, draft_model, loaded):
+    """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
+    cfg, graphdef, params = target
+    size = 192
+    half = lambda c, b: init_cache(c, b, size).with_length(jnp.full((b,), size // 2))
+    fns = {}
+    nbytes, fns["bandwidth"] = bandwidth_fn(settings.bandwidth_mb)
+    flop, fns["matmul"] = matmul_fn()
+    for b in settings.batches:
+        for t in settings.curve:
+            fns[("expanded", b, t)] = pass_loop(
+                model_step(graphdef), params, half(cfg, b), b, t, settings.calls
+            )
+        if "draft model" in settings.kinds:
+            dcfg, dgraph, dparams = draft_model
+            fns[("draft model", b)] = pass_loop(
+                model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
+            )
+        _, egraph, eparams = loaded["eagle"]["big"]
+        eagle_params = {"head": eparams, **target_io(cfg, params)}
+        fns[("eagle", b)] = pass_loop(
+            eagle_step(egraph, cfg.dim),
+            eagle_params,
+            half(cfg.replace(n_layers=1), b),
+            b,
+            1,
+            settings.calls,
+        )
+        if any(kind.startswith("medusa") for kind in settings.kinds):
+            _, mgraph, mparams = loaded["medusa"]["big"]
+            fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
+    for t in settings.curve:
+        fns[("stories260K", 1, t)] = pass_loop(
+            model_step(small.graphdef), small.params, half(small.cfg, 1), 1, t, settings.calls
+        )
+    times = {k: statistics.median(v) for k, v in interleaved(fns, max(settings.repeats, 3)).items()}
+    bw, flops = nbytes / times["bandwidth"], flop / times["matmul"]
+    machine = dict(
+        read_GBs=bw / 1e9,
+        matmul_GFLOPs=flops / 1e9,
+        target_weight_MB=expand.weight_bytes(cfg) / 1e6,
+        kv_KB_per_position=expand.kv_bytes_per_position(cfg) / 1024,
+        target_layers=cfg.n_layers,
+        target_dim=cfg.dim,
+    )
+    rows, curves = [], {}
+    for name, c in (("expanded", cfg), ("stories260K", small.cfg)):
+        for b in settings.batches if name == "expanded" else (1,):
+            curves.setdefault(name, {})[b] = {}
+            for t in settings.curve:
+                s = times[(name, b, t)] / settings.calls
+                curves[name][b][t] = s
+                read = expand.weight_bytes(c) + b * (size // 2 + t) * expand.kv_bytes_per_position(c)
+                floor, roof = read / bw, 2 * c.num_params * b * t / flops
+                rows.append(
+                    dict(
+                        target=name,
+                        batch=b,
+                        T=t,
+                        ms=s * 1e3,
+                        per_T1=s / (times[(name, b, 1)] / settings.calls),
+                        floor_ms=floor * 1e3,
+                        roof_ms=roof * 1e3,
+                        bound_over_ms=max(floor, roof) / s,
+                    )
+                )
+    costs = {key: times[key] / settings.calls for key in fns if len(key) == 2 and isinstance(key, tuple)}
+    return machine, rows, curves["expanded"], costs, bw
+
+
+def choose_shapes(settings: Settings, taus: dict, curve1: dict, c_eagle: float):
+    """Pilot rows and the EAGLE shapes to run: the best chain K and the two best dynamic trees by predicted
+    speedup tau / (depth x c + v(nodes + 1)), c and v relative to a 1-token target pass (batch 1)."""
+    one = curve1[1]
+    rows = []
+    for (k, tree), tau in taus.items():
+        nodes = k if tree is None else tree.total_tokens
+        v = interp_cost(curve1, nodes + 1) / one
+        rows.append(
+            dict(
+                shape=f"chain K={k}"
+                if tree is None
+                else f"dynamic {tree.top_k},{tree.depth},{tree.total_tokens}",
+                nodes=nodes,
+                tau_stories260K=tau,
+                v=v,
+                predicted=tau / (k * c_eagle + v),
+                _key=(k, tree),
+            )
+        )
+    chains = sorted((r for r in rows if r["_key"][1] is None), key=lambda r: -r["predicted"])
+    trees = sorted((r for r in rows if r["_key"][1] is not None), key=lambda r: -r["predicted"])
+    chosen = [chains[0]["_key"]] + [r["_key"] for r in trees[:2]]  # settings.chain_ks must not be empty
+    for r in rows:
+        r["chosen"] = r["_key"] in chosen
+        del r["_key"]
+    return rows, chosen[0][0], [t for _, t in chosen[1:]]
+
+
+def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
+    """(method, draft description, k, tree) of the decode table, for the kinds in `settings.kinds`."""
+    budget = max((t.total_tokens for t in dynamic), default=8)
+    medusa_tree, eagle_tree = medusa_like(budget, max_depth=n_medusa), medusa_like(budget, max_depth=5)
+    out = [
+        ("draft model", "draft model", f"{settings.draft_layers} original layers, chain K=3", 3, None),
+        ("n-gram", "n-gram", "chain K=3", 3, None),
+        ("medusa chain", "medusa", f"chain K={n_medusa}", n_medusa, None),
+        (
+            "medusa tree",
+            "medusa",
+            f"static tree {medusa_tree.size - 1} nodes",
+            medusa_tree.depth,
+            medusa_tree,
+        ),
+        ("eagle chain", "eagle", f"chain K={chain_k}", chain_k, None),
+        ("eagle tree", "eagle", f"static tree {eagle_tree.size - 1} nodes", eagle_tree.depth, eagle_tree),
+    ]
+    for t in dynamic:
+        out.append(("eagle dynamic", "eagle", f"dynamic {t.top_k},{t.depth},{t.total_tokens}", t.depth, t))
+    return [row[1:] for row in out if row[0] in settings.kinds]
+
+
+def run(settings: Settings, results: str | None = None) -> dict:
+    """Runs the benchmark; returns {table name: rows} and writes each table."""
+    if results:
+        common.RESULTS = Path(results)
+    small, target, draft_model, loaded = load(settings)
+    cfg = target[0]
+    machine, curve_rows, curves, costs, bw = measure_curve(settings, small, target, draft_model, loaded)
+    print(common.write_table(f"{settings.name}_machine", [machine], "Machine, measured in this run"))
+    print(
+        common.write_table(
+            f"{settings.name}_curve",
+            curve_rows,
+            f"One target pass over T new tokens (cache of 192 slots, 96 committed): ms, relative to T = 1, the "
+            f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
+            f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
+        )
+    )
+    c_eagle = costs[("eagle", 1)] / curves[1][1]
+    taus = pilot_taus(settings, small, loaded)
+    pilot, chain_k, dynamic = choose_shapes(settings, taus, curves[1], c_eagle)
+    print(
+        common.write_table(
+            f"{settings.name}_pilot",
+            pilot,
+            f"EAGLE shapes: tau on stories260K (greedy, 2 prompts x {settings.pilot_tokens} tokens), verify "
+            f"cost v from the curve, predicted speedup tau / (depth x c + v), c = {c_eagle:.3f}",
+        )
+    )
+    n_medusa = loaded["medusa"]["big"][0]["shape"]["num_heads"]
+    rows = decode_rows(
+        settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
+    )
+    title = (
+        f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB float32: "
+        f"synthetic cost, real distribution), {settings.prompts} prompts x {settings.new_tokens} new tokens, "
+        f"medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token pass, "
+        "predicted = E / (calls x c + v)"
+    )
+    print(common.write_table(f"{settings.name}_decode", rows, title))
+    return {"machine": [machine], "curve": curve_rows, "pilot": pilot, "decode": rows}
+
+
+def decode_rows(
+    settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
+):
+    from specjax.metrics import summarize
+
+    cfg = target[0]
+    shapes = methods(settings, chain_k, dynamic, n_medusa)
+    rows = []
+    for b in settings.batches:
+        n = -(-max(settings.prompts, b) // b) * b
+        prompts = [small.tokenizer.encode(p) for p in (PROMPTS * n)[:n]]
+        groups = [prompts[i : i + b] for i in range(0, n, b)]
+        one = curves[b][1]
+        for temperature in settings.temperatures:
+            sampler = Sampler(temperature)
+            kw = dict(max_new_tokens=settings.new_tokens, sampler=sampler)
+            runs = {"AR": compile_job(target, groups[0], kw)}
+            for method, desc, k, tree in shapes:
+                drafter, dp = make_drafter(method, target, draft_model, loaded, k, tree, sampler)
+                runs[(method, desc)] = compile_job(target, groups[0], kw, drafter, dp)
+            results = {}
+
+            def job(name, run):
+                def go():
+                    results[name] = [jax.block_until_ready(run(g, seed=i)) for i, g in enumerate(groups)]
+
+                return go
+
+            times = interleaved({name: job(name, r) for name, r in runs.items()}, settings.repeats)
+            ar = times["AR"]
+            tokens = n * settings.new_tokens
+            ar_s = statistics.median(ar)
+            read = expand.weight_bytes(cfg) + b * 96 * expand.kv_bytes_per_position(cfg)
+            nan = float("nan")
+            rows.append(
+                dict(
+                    batch=b,
+                    T=temperature,
+                    method="AR",
+                    draft="-",
+                    tau=1.0,
+                    a=nan,
+                    c=nan,
+                    v=1.0,
+                    tok_s=tokens / ar_s,
+                    speedup=1.0,
+                    predicted=1.0,
+                    measured_over_predicted=1.0,
+                    of_floor=(read / bw) / (ar_s / (len(groups) * settings.new_tokens)),
+                )
+            )
+            for method, desc, k, tree in shapes:
+                stats = [summarize(g.stats) for g in results[(method, desc)]]
+                passes = sum(s["target_passes"] for s in stats)
+                tau = sum(s["tau"] * s["target_passes"] for s in stats) / passes
+                reached = sum(float(np.asarray(g.stats.reached_at).sum()) for g in results[(method, desc)])
+                accepted = sum(
+                    float(np.asarray(g.stats.accepted_at).sum()) for g in results[(method, desc)]
+                )
+                a = accepted / reached if reached else nan
+                nodes = k if tree is None else tree.size - 1
+                v = interp_cost(curves[b], nodes + 1) / one
+                c = 0.0 if method == "n-gram" else costs[(method, b)] / one
+                calls = 1 if method == "medusa" else 0 if method == "n-gram" else k
+                e_tokens = expected_tokens_per_round(a, k) if tree is None else tau
+                predicted = e_tokens / (calls * c + v)
+                ratio = statistics.median(x / y for x, y in zip(ar, times[(method, desc)]))
+                rows.append(
+                    dict(
+                        batch=b,
+                        T=temperature,
+                        method=method,
+                        draft=desc,
+                        tau=tau,
+                        a=a,
+                        c=c,
+                        v=v,
+                        tok_s=tokens / statistics.median(times[(method, desc)]),
+                        speedup=ratio,
+                        predicted=predicted,
+                        measured_over_predicted=ratio / predicted,
+                        of_floor=nan,
+                    )
+                )
+                print(rows[-1], flush=True)
+    return rows
+
+
+flags.DEFINE_bool("smoke", False, "Small expansion, two prompts, a few tokens: a quick end-to-end check.")
+flags.DEFINE_integer("prompts", None, "Prompts per batch size (default 4; smoke 2).")
+flags.DEFINE_integer("new_tokens", None, "Tokens generated per prompt (default 64; smoke 8).")
+flags.DEFINE_integer("repeats", None, "Timed repetitions (median; default 3).")
+flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
+flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
+flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    settings = SMOKE if FLAGS.smoke else Settings()
+    changes = {
+        "prompts": FLAGS.prompts,
+        "new_tokens": FLAGS.new_tokens,
+        "repeats": FLAGS.repeats,
+        "batches": FLAGS.batches and tuple(map(int, FLAGS.batches)),
+        "temperatures": FLAGS.temperatures and tuple(map(float, FLAGS.temperatures)),
+    }
+    settings = dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})
+    run(settings, FLAGS.results)
+
+
+if __name__ == "__main__":
+    app.run(main)

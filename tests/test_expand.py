@@ -1,0 +1,176 @@
+"""The function-preserving expansion (`specjax.models.expand`): the expanded target computes stories260K's
+logits, decodes the same tokens, its expanded heads draft the same tokens, and the memory-bound benchmark's
+smoke mode runs end to end."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models import expand
+from specjax.models.llama import causal_mask, forward, init_cache
+
+PROMPTS = ["Once upon a time, there was a dog named", "Lily wanted to", "Tom and his dog went to the park"]
+E = expand.SMOKE  # extra heads, head_dim x 2, extra units, inserted layers: every part of the mapping
+
+
+@pytest.fixture(scope="module")
+def expanded(stories):
+    return expand.expand(stories.cfg, stories.params, E)
+
+
+def prompt_batch(stories):
+    ids = [stories.tokenizer.encode(p) for p in PROMPTS]
+    tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, : len(p)] = p
+    return jnp.asarray(tokens), [len(p) for p in ids]
+
+
+def all_logits(cfg, graphdef, params, tokens):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, hidden, _ = forward(graphdef, params, tokens, positions, init_cache(cfg, b, 64), causal_mask(t))
+    return logits, hidden.final
+
+
+def test_expansion_shape_and_defaults(stories, expanded):
+    cfg = expanded[0]
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (128, 8, 16, 8, 16)
+    assert cfg.norm_eps == pytest.approx(stories.cfg.norm_eps * stories.cfg.dim / 128)
+    big = expand.Expansion().config(stories.cfg)  # the benchmark's default: memory-bound, 32 layers
+    assert expand.weight_bytes(big) >= 8 * 32 * 2**20  # >= 8x the 32 MiB L3 it was chosen for
+    per_layer = (big.num_params - big.vocab_size * big.dim - big.dim) / big.n_layers
+    assert per_layer * 16 <= big.num_params
+    assert expand.Expansion().original_layers(5) == (0, 6, 12, 19, 25)
+    with pytest.raises(ValueError, match="n_layers=4 < the model's 5"):
+        expand.Expansion(n_layers=4).config(stories.cfg)
+    with pytest.raises(ValueError, match="not a multiple"):
+        expand.Expansion(head_dim=12).config(stories.cfg)
+
+
+def test_expanded_logits_equal_stories260k(stories, expanded):
+    tokens, lengths = prompt_batch(stories)
+    ref, ref_feats = all_logits(stories.cfg, stories.graphdef, stories.params, tokens)
+    out, feats = all_logits(*expanded, tokens)
+    for row, n in enumerate(lengths):  # ragged: compare each row's real tokens
+        np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(feats[row, :n, : stories.cfg.dim], ref_feats[row, :n], atol=1e-5, rtol=0)
+        assert (
+            float(jnp.abs(feats[row, :n, stories.cfg.dim :]).max()) == 0.0
+        )  # extra dims stay exactly zero
+
+
+def test_truncated_original_is_stories260k_truncated(stories, expanded):
+    from specjax.drafters.draft_model import truncated_target
+
+    tokens, lengths = prompt_batch(stories)
+    ref, _ = all_logits(*truncated_target(stories.cfg, stories.params, 2), tokens)
+    out, _ = all_logits(*expand.truncated_original(*expanded[::2], E, stories.cfg.n_layers, 2), tokens)
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="is the target itself"):
+        expand.truncated_original(*expanded[::2], E, stories.cfg.n_layers, stories.cfg.n_layers)
+
+
+def test_greedy_decoding_equal(stories, expanded):
+    from specjax.decoding import GenerateSpec, generate
+
+    prompts = [stories.tokenizer.encode(p) for p in PROMPTS]
+    spec = GenerateSpec(24, eos_id=None)
+    ref = generate(stories.cfg, stories.graphdef, stories.params, prompts, spec)
+    out = generate(*expanded, prompts, spec)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_expanded_heads_give_the_same_drafts(stories, expanded, trained_heads):
+    from specjax.drafters.base import target_io
+    from specjax.drafters.eagle import eagle_apply
+    from specjax.drafters.medusa import medusa_logits
+
+    tokens, lengths = prompt_batch(stories)
+    _, feats = all_logits(stories.cfg, stories.graphdef, stories.params, tokens)
+    _, big_feats = all_logits(*expanded, tokens)
+    cfg, _, params = expanded
+
+    meta, graphdef, hparams = trained_heads["medusa"]
+    meta2, graphdef2, hparams2 = expand.expand_heads(meta, hparams, stories.cfg, cfg, params, E)
+    assert meta2["target"]["dim"] == cfg.dim and meta2["shape"] == meta["shape"]
+    ref = medusa_logits(graphdef, hparams, feats)
+    out = medusa_logits(graphdef2, hparams2, big_feats)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
+    for row, n in enumerate(lengths):  # the heads' top-3 candidates, as a tree drafts them
+        np.testing.assert_array_equal(
+            jnp.argsort(-out[row, :n], axis=-1)[..., :3], jnp.argsort(-ref[row, :n], axis=-1)[..., :3]
+        )
+
+    meta, graphdef, hparams = trained_heads["eagle"]
+    meta2, graphdef2, hparams2 = expand.expand_heads(meta, hparams, stories.cfg, cfg, params, E)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+
+    def eagle_logits(layer_cfg, graphdef, p, target_cfg, target_params, f):
+        io = {"head": p, **target_io(target_cfg, target_params)}
+        cache = init_cache(layer_cfg, b, 64)
+        return eagle_apply(graphdef, io, tokens, f, positions, cache, causal_mask(t))[0]
+
+    ref = eagle_logits(
+        stories.cfg.replace(n_layers=1), graphdef, hparams, stories.cfg, stories.params, feats
+    )
+    out = eagle_logits(cfg.replace(n_layers=1), graphdef2, hparams2, cfg, params, big_feats)
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=1e-4, rtol=0)
+
+
+def test_expanded_eagle_accepts_like_the_original(stories, expanded, trained_heads):
+    """End to end: greedy EAGLE chains on stories260K and on its expansion accept the same drafts."""
+    from specjax import heads
+    from specjax.decoding import GenerateSpec, speculative_generate
+
+    prompts = [stories.tokenizer.encode(p) for p in PROMPTS[:2]]
+    spec = GenerateSpec(24, eos_id=None)
+    meta, graphdef, hparams = trained_heads["eagle"]
+    big = expand.expand_heads(meta, hparams, stories.cfg, expanded[0], expanded[2], E)
+    runs = []
+    for (cfg, g, p), (m, hg, hp) in (
+        ((stories.cfg, stories.graphdef, stories.params), (meta, graphdef, hparams)),
+        (expanded, big),
+    ):
+        drafter = heads.make_drafter(m, hg, cfg, 3, spec.sampler)
+        runs.append(
+            speculative_generate(cfg, g, p, drafter, heads.drafter_params(m, hp, cfg, p), prompts, spec)
+        )
+    np.testing.assert_array_equal(runs[1].tokens, runs[0].tokens)
+    np.testing.assert_array_equal(runs[1].stats.accepted_hist, runs[0].stats.accepted_hist)
+    assert int(runs[0].stats.accepted_hist[1:].sum()) > 0  # the drafts were accepted, not only rejected
+
+
+def test_bench_memory_bound_smoke(tmp_path, monkeypatch):
+    from experiments import bench_memory_bound as bench
+    from experiments import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    tables = bench.run(bench.SMOKE)
+    decode = tables["decode"]
+    columns = [
+        "batch", "T", "method", "draft", "tau", "a", "c", "v", "tok_s", "speedup", "predicted",
+        "measured_over_predicted", "of_floor",
+    ]  # fmt: skip
+    assert all(list(row) == columns for row in decode)
+    assert [r["method"] for r in decode] == ["AR", "draft model", "eagle"]
+    assert all(r["tok_s"] > 0 and r["tau"] >= 1 for r in decode)
+    assert decode[0]["of_floor"] > 0
+    curve = tables["curve"]
+    assert list(curve[0]) == [
+        "target",
+        "batch",
+        "T",
+        "ms",
+        "per_T1",
+        "floor_ms",
+        "roof_ms",
+        "bound_over_ms",
+    ]
+    assert {r["target"] for r in curve} == {"expanded", "stories260K"}
+    assert tables["machine"][0]["read_GBs"] > 0 and tables["machine"][0]["matmul_GFLOPs"] > 0
+    for part in ("machine", "curve", "pilot", "decode"):
+        assert (tmp_path / f"bench_memory_bound_smoke_{part}.csv").exists()

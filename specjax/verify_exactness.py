@@ -1,0 +1,508 @@
+"""Is a drafter with an acceptance rule lossless? A statistical check with its own negative control.
+
+    python -m specjax.verify_exactness --drafter=draft_model --acceptance=tokenwise,block
+    python -m specjax.verify_exactness --drafter=eagle --acceptance=block --temperature=0.7 --top_p=0.9
+    python -m specjax.verify_exactness --drafter=medusa --acceptance=tokenwise --model=stories260K --tree=balanced_2x3
+    python -m specjax.verify_exactness --drafter=draft_model --model=stories260K --drafter_setting=draft_layers=3
+
+The drafter (any registered name) drafts for a target, the rule verifies, and the first `--tokens` new tokens of
+`--samples` decodes of one prompt are compared with the target's own distribution:
+
+- `exact` (the default where the target's distribution over those tokens can be enumerated, V^(tokens - 1)
+  prefixes, as on the default `--model=tiny`: a random 2-layer target with V = 8 and a scaled-up, peaked head):
+  the target's joint probabilities are computed exactly, and a one-sample chi-square goodness-of-fit test (cells
+  with an expected count under 5 pooled) asks whether the speculative samples follow them. On the tiny target,
+  trained-head drafters get freshly initialised, perturbed heads (exactness must not depend on training) and the
+  draft model is the truncated target (`registry.get(name).build` with default settings).
+- `ar` (otherwise, e.g. `--model=stories260K`: drafters are built by the registry with their default settings,
+  i.e. the committed heads): a two-sample chi-square test of speculative against autoregressive samples.
+
+The negative control runs in the same compiled decode: the rows are split into groups, each rule verifying one
+group and a deliberately broken copy of it (`ResampleFromTarget`: its accepted prefix, then the next token drawn
+from the target's p instead of the rule's residual) another. The verdict is PASS when the rule's p-value is at
+least `--alpha` and the control's is below it, FAIL when the rule's is below it, INCONCLUSIVE when even the
+control passes (the test cannot see a broken rule here: raise `--samples` or use a drafter that gets rejections).
+With `--greedy` (default) it also checks that greedy speculative decoding reproduces greedy decoding token for
+token. The exit status is 0 only if every check passes. Total variation between the sampled and the reference
+distribution is printed beside the sampling noise an exact rule would show (a lossy rule's distance reads off
+the difference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import acceptance
+from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.drafters import registry
+from specjax.metrics import summarize
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import causal_mask, forward, init_cache, init_params
+from specjax.models.loading import LoadedModel, load_model
+from specjax.sampling import Sampler, sample_probs
+from specjax.trees import parse_tree
+
+TINY = LlamaConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
+MAX_EXACT_PREFIXES = 4096  # enumerate the target's distribution when V^(tokens - 1) is at most this
+
+
+# --- the negative control and the row groups ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ResampleFromTarget:
+    """A broken rule: `rule`'s accepted prefix, then the next token drawn from the target's distribution p at
+    its end, ignoring the residual the rule would draw from (right only after a full acceptance)."""
+
+    rule: object
+    name = "broken"
+    lossless = False
+
+    def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
+        n, _ = self.rule.chain(key, sampler, draft_BK, q_BKV, logits_BKV)
+        logits = jnp.take_along_axis(logits_BKV, n[:, None, None], axis=1)[:, 0]
+        return n, sample_probs(jax.random.fold_in(key, 1), sampler.probs(logits))
+
+    def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
+        n, _, path = self.rule.tree(key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement)
+        node = jnp.where(n > 0, jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], 0)
+        logits = jnp.take_along_axis(logits_BNV, node[:, None, None], axis=1)[:, 0]
+        return n, sample_probs(jax.random.fold_in(key, 1), sampler.probs(logits)), path
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroups:
+    """The batch split into len(rules) equal consecutive groups of rows, group i verified by rules[i] with its
+    own key: several rules (and their controls) in one compiled decode. Rules decide each row independently, so
+    a group's rows are distributed as under its rule alone."""
+
+    rules: tuple
+    name = "row_groups"
+    lossless = False
+
+    def _pick(self, outs):
+        b = outs[0][0].shape[0]
+        group = jnp.arange(b) * len(self.rules) // b
+        return tuple(jnp.stack(parts)[group, jnp.arange(b)] for parts in zip(*outs))
+
+    def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
+        return self._pick(
+            [
+                r.chain(jax.random.fold_in(key, i), sampler, draft_BK, q_BKV, logits_BKV)
+                for i, r in enumerate(self.rules)
+            ]
+        )
+
+    def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
+        return self._pick(
+            [
+                r.tree(
+                    jax.random.fold_in(key, i),
+                    sampler,
+                    layout,
+                    draft_BN,
+                    q_BNV,
+                    logits_BNV,
+                    without_replacement,
+                )
+                for i, r in enumerate(self.rules)
+            ]
+        )
+
+
+# --- targets and drafters -----------------------------------------------------------------------------
+
+
+def tiny_target(seed: int = 0) -> LoadedModel:
+    """A random `TINY` target whose LM head is scaled up 60x: next-token distributions far from uniform."""
+    graphdef, params = init_params(TINY, seed)
+    params["lm_head"]["weight"].set_value(params["lm_head"]["weight"][...] * 60)
+    return LoadedModel(TINY, graphdef, params, None, Path("tiny-random"))
+
+
+def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler, seed: int = 0):
+    """(drafter, params) for the tiny target: trained-head drafters get fresh heads, perturbed so that
+    zero-initialised parts (Medusa's residual blocks) do not make them copy the target; others are built by the
+    registry with default settings."""
+    entry = registry.get(name)
+    if entry.heads is None:
+        return entry.build(target, entry.settings(), k, tree, sampler)
+    from specjax.training.config import base_config
+
+    shape = entry.heads.shape_of(base_config(name).heads)
+    graphdef, params = entry.heads.init(shape, target.cfg, target.params, seed)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [
+        x + 0.5 * (jnp.std(x) if float(jnp.std(x)) > 0 else 1.0) * jax.random.normal(kk, x.shape, x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for x, kk in zip(leaves, keys)
+    ]
+    params = jax.tree.unflatten(treedef, noisy)
+    drafter = entry.heads.drafter(shape, graphdef, target.cfg, k, sampler, tree)
+    return drafter, entry.heads.drafter_params(params, target.cfg, target.params)
+
+
+def build_drafter(name, target, k, tree, sampler, tiny: bool, settings: dict | None = None):
+    if tiny:
+        if settings:
+            raise ValueError("drafter settings apply to real models; drop them with --model=tiny")
+        return tiny_drafter(name, target, k, tree, sampler)
+    entry = registry.get(name)
+    fields = {f.name: f for f in dataclasses.fields(entry.settings)}
+    unknown = set(settings or {}) - set(fields)
+    if unknown:
+        raise ValueError(f"{name} has no settings {sorted(unknown)}; its settings are {sorted(fields)}")
+
+    def convert(key, value):  # command-line values arrive as strings: give them the type of the default
+        default = fields[key].default
+        if not isinstance(value, str) or default is None:
+            return value
+        if isinstance(default, bool):
+            return value.lower() in ("1", "true", "yes")
+        return type(default)(value)
+
+    typed = {key: convert(key, value) for key, value in (settings or {}).items()}
+    return entry.build(target, entry.settings(**typed), k, tree, sampler)
+
+
+# --- reference distributions and tests ----------------------------------------------------------------
+
+
+def target_distribution(cfg, graphdef, params, prompt: list[int], sampler: Sampler, m: int) -> np.ndarray:
+    """The target's exact joint distribution [V^m] (row-major over the m tokens) of its first m new tokens after
+    `prompt`, by one forward pass over all V^(m - 1) continuations."""
+    v, p_len = cfg.vocab_size, len(prompt)
+    prefixes = np.array(list(itertools.product(range(v), repeat=m - 1)), np.int32).reshape(-1, m - 1)
+    rows = prefixes.shape[0]
+    tokens = np.concatenate(
+        [np.broadcast_to(np.asarray(prompt, np.int32), (rows, p_len)), prefixes], axis=1
+    )
+    t = tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(t), (rows, t))
+    logits, _, _ = forward(
+        graphdef, params, jnp.asarray(tokens), positions, init_cache(cfg, rows, t), causal_mask(t)
+    )
+    probs = np.asarray(sampler.probs(logits[:, p_len - 1 :]), np.float64)  # [rows, m, V]
+    prefix_p = np.prod(np.take_along_axis(probs[:, :-1], prefixes[..., None], axis=-1)[..., 0], axis=1)
+    return (prefix_p[:, None] * probs[:, -1]).reshape(-1)
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """P(chi-square with `dof` degrees of freedom > stat)."""
+    if dof < 1:
+        return 1.0
+    try:
+        from scipy.stats import chi2
+    except ImportError:  # scipy is a test extra; jax has the regularised incomplete gamma function
+        return float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+    return float(chi2.sf(stat, dof))
+
+
+def goodness_of_fit(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """p-value of a chi-square test that `counts` were drawn from `probs` (cells expecting fewer than
+    `min_expected` pooled); 0 if an impossible outcome was observed."""
+    n = counts.sum()
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    expected = probs / probs.sum() * n
+    big = expected >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    return chi2_sf(float(np.sum((obs - exp) ** 2 / exp)), len(exp) - 1)
+
+
+def two_sample(a: np.ndarray, b: np.ndarray, min_total: float = 20.0) -> float:
+    """p-value of a chi-square test that two count vectors come from one distribution (cells with fewer than
+    `min_total` counts together pooled)."""
+    big = (a + b) >= min_total
+    table = np.stack([np.append(a[big], a[~big].sum()), np.append(b[big], b[~big].sum())]).astype(
+        np.float64
+    )
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return chi2_sf(float(np.sum((table - expected) ** 2 / expected)), table.shape[1] - 1)
+
+
+def total_variation(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a / a.sum() - b / b.sum()).sum())
+
+
+# --- the check ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RuleResult:
+    rule: str
+    lossless: bool  # what the rule claims
+    samples: int
+    p_value: float
+    tv: float  # from the reference distribution
+    control_p_value: float
+    control_tv: float
+
+    def verdict(self, alpha: float) -> str:
+        if self.p_value < alpha:
+            return "FAIL (lossy by design)" if not self.lossless else "FAIL"
+        return "PASS" if self.control_p_value < alpha else "INCONCLUSIVE"
+
+
+@dataclasses.dataclass
+class Report:
+    drafter: str
+    shape: str
+    model: str
+    sampler: Sampler
+    method: str
+    tokens: int
+    alpha: float
+    rules: list[RuleResult]
+    noise_tv: float  # the TV an exact rule would show from sampling noise alone
+    draft_efficiency: float  # over all groups: the test needs rejections to see anything
+    greedy_identical: bool | None  # None: not checked
+
+    @property
+    def passed(self) -> bool:
+        return (
+            all(r.verdict(self.alpha) == "PASS" for r in self.rules) and self.greedy_identical is not False
+        )
+
+    def format(self) -> str:
+        reference = (
+            f"the target's exact distribution over {self.tokens} new tokens (one-sample chi-square)"
+            if self.method == "exact"
+            else f"autoregressive samples of {self.tokens} new tokens (two-sample chi-square)"
+        )
+        lines = [
+            f"verify_exactness: drafter {self.drafter} ({self.shape}), target {self.model}, {self.sampler}",
+            f"reference: {reference}; negative control: each rule's prefix, then the next token from p "
+            f"(no residual); alpha {self.alpha:g}; draft efficiency {self.draft_efficiency:.2f}; "
+            f"sampling-noise TV {self.noise_tv:.4f}",
+            "",
+            "| rule | lossless (claimed) | samples | p-value | TV | control p-value | control TV | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rules:
+            lines.append(
+                f"| {r.rule} | {r.lossless} | {r.samples} | {r.p_value:.3g} | {r.tv:.4f} | "
+                f"{r.control_p_value:.3g} | {r.control_tv:.4f} | {r.verdict(self.alpha)} |"
+            )
+        if self.greedy_identical is not None:
+            lines.append(
+                f"\ngreedy: speculative tokens {'identical to' if self.greedy_identical else 'DIFFER from'} "
+                "greedy decoding"
+            )
+        lines.append(f"\nverdict: {'PASS' if self.passed else 'FAIL'}")
+        return "\n".join(lines)
+
+
+def codes(tokens: np.ndarray, vocab: int) -> np.ndarray:
+    return np.ravel_multi_index(tuple(tokens.T), (vocab,) * tokens.shape[1])
+
+
+def verify(
+    drafter: str,
+    rules=("tokenwise",),
+    *,
+    model: str = "tiny",
+    k: int = 2,
+    tree: str = "",
+    sampler: Sampler = Sampler(1.0),  # noqa: B008 (frozen)
+    samples: int = 0,
+    tokens: int = 3,
+    method: str = "auto",
+    alpha: float = 1e-3,
+    greedy: bool = True,
+    seed: int = 0,
+    settings: dict | None = None,
+) -> Report:
+    """Checks `drafter` (a registered name) with each acceptance rule in `rules` (names or rule objects); see
+    the module docstring. `samples` per rule and per control (0: 10000 for `exact`, 20000 for `ar`)."""
+    if sampler.greedy:
+        raise ValueError(
+            "the distribution check needs a sampling temperature > 0; greedy is checked with it"
+        )
+    if tokens < 2:
+        raise ValueError(f"--tokens must be >= 2 (the first comes from the prefill), got {tokens}")
+    rules = [acceptance.get(r) if isinstance(r, str) else r for r in rules]
+    tiny = model == "tiny"
+    target = tiny_target(seed) if tiny else load_model(model)
+    cfg = target.cfg
+    shape = parse_tree(tree)
+    k = k if shape is None else shape.depth
+    prompt = [1, 3] if tiny else target.tokenizer.encode("Once upon a time")
+    if method == "auto":
+        method = "exact" if cfg.vocab_size ** (tokens - 1) <= MAX_EXACT_PREFIXES else "ar"
+    if method not in ("exact", "ar"):
+        raise ValueError(f"--method must be auto, exact or ar, got {method!r}")
+    n = samples or (10_000 if method == "exact" else 20_000)
+    groups = tuple(x for r in rules for x in (r, ResampleFromTarget(r)))
+    draft, dparams = build_drafter(drafter, target, k, shape, sampler, tiny, settings)
+    spec = GenerateSpec(tokens, sampler, eos_id=None, acceptance=RowGroups(groups))
+    gen = speculative_generate(
+        cfg, target.graphdef, target.params, draft, dparams, [prompt] * (n * len(groups)), spec, seed
+    )
+    out = np.asarray(gen.tokens).reshape(len(groups), n, tokens)
+    if method == "exact":
+        v = cfg.vocab_size
+        reference = target_distribution(cfg, target.graphdef, target.params, prompt, sampler, tokens)
+        counts = [np.bincount(codes(o, v), minlength=v**tokens) for o in out]
+        test = lambda c: goodness_of_fit(c, reference)
+        rng = np.random.default_rng(seed)
+        noise = np.mean(
+            [total_variation(rng.multinomial(n, reference / reference.sum()), reference) for _ in range(20)]
+        )
+    else:
+        ar_spec = GenerateSpec(tokens, sampler, eos_id=None)
+        ar = np.asarray(
+            generate(cfg, target.graphdef, target.params, [prompt] * n, ar_spec, seed + 1).tokens
+        )
+        cells, inverse = np.unique(np.concatenate([ar, *out]), axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1, n)
+        reference = np.bincount(inverse[0], minlength=len(cells))
+        counts = [np.bincount(i, minlength=len(cells)) for i in inverse[1:]]
+        test = lambda c: two_sample(c, reference)
+        half = n // 2
+        noise = total_variation(
+            *(np.bincount(inverse[0][s], minlength=len(cells)) for s in (slice(half), slice(half, None)))
+        )
+        noise /= np.sqrt(2)  # two samples of n/2 vs two of n
+    results = [
+        RuleResult(
+            r.name,
+            bool(r.lossless),
+            n,
+            test(counts[2 * i]),
+            total_variation(counts[2 * i], reference),
+            test(counts[2 * i + 1]),
+            total_variation(counts[2 * i + 1], reference),
+        )
+        for i, r in enumerate(rules)
+    ]
+    identical = None
+    if greedy:
+        identical = greedy_identical(target, drafter, rules, k, shape, tiny, settings, prompt, seed)
+    return Report(
+        drafter,
+        draft.shape.describe(),
+        str(target.path.name),
+        sampler,
+        method,
+        tokens,
+        alpha,
+        results,
+        float(noise),
+        float(summarize(gen.stats)["draft_efficiency"]),
+        identical,
+    )
+
+
+def greedy_identical(target, drafter, rules, k, shape, tiny, settings, prompt, seed) -> bool:
+    """Greedy speculative decoding (every rule, prompts of several lengths) == greedy decoding, token for token."""
+    cfg, n_new = target.cfg, 24
+    prompts = [prompt, prompt[:1], (prompt * 4)[:7]]
+    spec = GenerateSpec(n_new, Sampler(), eos_id=None)
+    ar = np.asarray(generate(cfg, target.graphdef, target.params, prompts, spec).tokens)
+    draft, dparams = build_drafter(drafter, target, k, shape, Sampler(), tiny, settings)
+    spec = dataclasses.replace(spec, acceptance=RowGroups(tuple(rules)))
+    batch = [p for _ in rules for p in prompts]  # group i: every prompt under rules[i]
+    gen = speculative_generate(cfg, target.graphdef, target.params, draft, dparams, batch, spec, seed)
+    return bool((np.asarray(gen.tokens) == np.tile(ar, (len(rules), 1))).all())
+
+
+# --- command line ---------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    from absl import flags
+
+    f = flags.FlagValues()
+    flags.DEFINE_string("drafter", None, f"A registered drafter: {registry.names()}.", flag_values=f)
+    flags.DEFINE_list(
+        "acceptance", [acceptance.DEFAULT], f"Rules to check: {sorted(acceptance.RULES)}.", flag_values=f
+    )
+    flags.DEFINE_string(
+        "model", "tiny", "'tiny' (random V=8 target, exact reference) or a model path/name.", flag_values=f
+    )
+    flags.DEFINE_integer("k", 2, "Draft tokens per round (a tree sets it to its depth).", flag_values=f)
+    flags.DEFINE_string(
+        "tree", "", "A tree as in run_decode.py (preset, dynamic:..., or paths).", flag_values=f
+    )
+    flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).", flag_values=f)
+    flags.DEFINE_integer("top_k", 0, "Top-k warper (0 = off).", flag_values=f)
+    flags.DEFINE_float("top_p", 1.0, "Top-p warper (1 = off).", flag_values=f)
+    flags.DEFINE_integer(
+        "samples", 0, "Samples per rule and per control (0: 10000 exact, 20000 ar).", flag_values=f
+    )
+    flags.DEFINE_integer(
+        "tokens", 3, "New tokens compared (the first comes from the prefill).", flag_values=f
+    )
+    flags.DEFINE_enum(
+        "method",
+        "auto",
+        ["auto", "exact", "ar"],
+        "Reference: exact enumeration or AR samples.",
+        flag_values=f,
+    )
+    flags.DEFINE_float("alpha", 1e-3, "Significance level of every test.", flag_values=f)
+    flags.DEFINE_bool("greedy", True, "Also check greedy decoding token for token.", flag_values=f)
+    flags.DEFINE_integer("seed", 0, "Random seed.", flag_values=f)
+    flags.DEFINE_multi_string(
+        "drafter_setting", [], "KEY=VALUE of the drafter's settings (real models).", flag_values=f
+    )
+    argv = f(sys.argv if argv is None else argv)
+    if len(argv) > 1 or f.drafter is None:
+        raise ValueError(
+            f"pass --drafter=NAME (one of {registry.names()})"
+            + (f"; unexpected arguments {argv[1:]}" if len(argv) > 1 else "")
+        )
+    settings = {}
+    for item in f.drafter_setting:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--drafter_setting={item!r} is not KEY=VALUE")
+        settings[key] = value
+    report = verify(
+        f.drafter,
+        f.acceptance,
+        model=f.model,
+        k=f.k,
+        tree=f.tree,
+        sampler=Sampler(f.temperature, f.top_k, f.top_p),
+        samples=f.samples,
+        tokens=f.tokens,
+        method=f.method,
+        alpha=f.alpha,
+        greedy=f.greedy,
+        seed=f.seed,
+        settings=settings,
+    )
+    print(report.format())
+    return 0 if report.passed else 1
+
+
+def run() -> None:
+    """`main` with user errors as one line `error: ...` and exit status 2 (SPECJAX_DEBUG=1: traceback); a failed
+    check exits with status 1."""
+    try:
+        code = main()
+    except (ValueError, OSError) as err:
+        if os.environ.get("SPECJAX_DEBUG"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

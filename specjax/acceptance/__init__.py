@@ -1,6 +1,8 @@
 """Acceptance rules behind one protocol (`base.AcceptanceRule`), found by name with `get`.
 
-Built in: `tokenwise` (lossless: greedy matching at temperature 0, rejection sampling otherwise). A new rule is
+Built in: `tokenwise` (lossless: greedy matching at temperature 0, rejection sampling otherwise), `block`
+(lossless: block verification for chains, traversal verification for trees; also as `traversal`) and
+`typical_lossy` (Medusa-2 typical acceptance, lossy). A new rule is
 one module with a class decorated by `register`, imported here.
 """
 

@@ -161,7 +161,6 @@ class _Expander:
             wqkv[q_rows, :d] = w[:q1] * scale
             wqkv[q2 + k_rows, :d] = w[q1 : q1 + k1]
             wqkv[q2 + k2 + k_rows, :d] = w[q1 + k1 :]
-            wqkv[: c.n_heads * hd2, d:] = 0
             if c.qkv_bias:
                 b = np.asarray(p["wqkv"]["bias"], np.float32)
                 bqkv[: c.n_heads * hd2] = 0

@@ -47,18 +47,7 @@ flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, one settin
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
 FLAGS = flags.FLAGS
 
-FREE = [
-    "Once upon a time",
-    "Once upon a time, there was a little girl named",
-    "Tom and his dog went to the",
-    "Lily wanted to",
-    "One day, a big bear",
-    "The sun was hot and the",
-    "There was a small bird who",
-    "Ben and Mia were best friends.",
-    "In the park, the children",
-    "It was a rainy day and",
-]
+FREE = common.STORY_OPENINGS
 STORIES = [
     "Once upon a time, there was a dog named Max. Max loved to play with his red ball in the park. "
     "One day, Max lost his ball. He looked under the big tree and found it.",

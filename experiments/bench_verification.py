@@ -62,18 +62,7 @@ FLAGS = flags.FLAGS
 # layers) is accepted about 1% of the time on stories260K, too rarely to compare rules; 3 layers are accepted.
 SETTINGS = {"draft_model": {"draft_layers": 3}}
 
-PROMPTS = [
-    "Once upon a time",
-    "Once upon a time, there was a little girl named",
-    "Tom and his dog went to the",
-    "Lily wanted to",
-    "One day, a big bear",
-    "The sun was hot and the",
-    "There was a small bird who",
-    "Ben and Mia were best friends.",
-    "In the park, the children",
-    "It was a rainy day and",
-]
+PROMPTS = common.STORY_OPENINGS
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "cache_size"))

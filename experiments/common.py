@@ -14,6 +14,20 @@ from specjax.models.llama import causal_mask, forward, init_cache
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
+# Free-continuation story openings shared by the drafter and verification benchmarks.
+STORY_OPENINGS = [
+    "Once upon a time",
+    "Once upon a time, there was a little girl named",
+    "Tom and his dog went to the",
+    "Lily wanted to",
+    "One day, a big bear",
+    "The sun was hot and the",
+    "There was a small bird who",
+    "Ben and Mia were best friends.",
+    "In the park, the children",
+    "It was a rainy day and",
+]
+
 # Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
 SHAPES = {
     "llama-15M": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000),

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance.base import register
-from specjax.acceptance.greedy import greedy_chain, greedy_tree
+from specjax.acceptance.rejection import TokenWise
 from specjax.acceptance.traversal import traversal_verification
 from specjax.sampling import inverse_cdf
 
@@ -86,23 +86,14 @@ def block_verification(key: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array | N
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Block:
+class Block(TokenWise):
     """Lossless block verification for chains (Sun et al. 2025), traversal verification for trees (Weng et al.
     2025); greedy matching for greedy samplers."""
 
     name = "block"
     lossless = True
-
-    def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
-        if sampler.greedy:
-            return greedy_chain(draft_BK, logits_BKV)
-        return block_verification(key, draft_BK, q_BKV, sampler.probs(logits_BKV))
-
-    def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
-        if sampler.greedy:
-            return greedy_tree(layout, draft_BN, logits_BNV)
-        p = sampler.probs(logits_BNV)
-        return traversal_verification(key, layout, draft_BN, q_BNV, p, without_replacement)
+    sample_chain = staticmethod(block_verification)
+    sample_tree = staticmethod(traversal_verification)
 
 
 @register

@@ -122,9 +122,15 @@ class TokenWise:
     def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
         if sampler.greedy:
             return greedy_chain(draft_BK, logits_BKV)
-        return speculative_sampling(key, draft_BK, q_BKV, sampler.probs(logits_BKV))
+        return self.sample_chain(key, draft_BK, q_BKV, sampler.probs(logits_BKV))
 
     def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
         if sampler.greedy:
             return greedy_tree(layout, draft_BN, logits_BNV)
-        return tree_sampling(key, layout, draft_BN, q_BNV, sampler.probs(logits_BNV), without_replacement)
+        return self.sample_tree(
+            key, layout, draft_BN, q_BNV, sampler.probs(logits_BNV), without_replacement
+        )
+
+    # The sampled rules on warped probabilities; lossless rules that differ only there override these two.
+    sample_chain = staticmethod(speculative_sampling)
+    sample_tree = staticmethod(tree_sampling)

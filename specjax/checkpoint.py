@@ -124,3 +124,16 @@ def restore_model(
         ) from err
     nnx.replace_by_pure_dict(abstract, pure)
     return cfg, graphdef, abstract
+
+
+def restore_step(manager, step: int, failure: str, remedy: str, **items):
+    """Restores the named `items` (orbax restore args) of `step` from an orbax CheckpointManager; a damaged
+    checkpoint raises CheckpointError "cannot {failure} ...; the checkpoint is corrupt: {remedy}"."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
+        raise CheckpointError(
+            f"cannot {failure} ({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: {remedy}"
+        ) from err

@@ -103,6 +103,20 @@ def _make_parent(dest: Path) -> None:
     _remove_stale(dest.parent, dest.name)
 
 
+def _create_partial(dest: Path, replaceable, what: str, create: Callable[[Path], object]) -> Path:
+    """Checks that `dest` may be written, then creates (with `create`) and returns a temporary beside it."""
+    _refuse_existing(dest, replaceable, what)
+    _make_parent(dest)
+    tmp = dest.parent / _temp_name(dest.name, "partial")
+    try:
+        create(tmp)
+    except OSError as err:
+        raise DestinationError(
+            f"cannot create {tmp} ({err.strerror or err}); choose a writable destination"
+        ) from err
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_dir(
     dest: str | Path, replaceable: Callable[[Path], bool] | None = None, what: str = "directory"
@@ -111,15 +125,7 @@ def atomic_dir(
     renamed to `dest`, else removed. An existing `dest` is replaced only if it is empty or `replaceable(dest)`
     says specjax wrote it (checked before and after writing); otherwise DestinationError names it."""
     dest = Path(dest).absolute()
-    _refuse_existing(dest, replaceable, what)
-    _make_parent(dest)
-    tmp = dest.parent / _temp_name(dest.name, "partial")
-    try:
-        tmp.mkdir()
-    except OSError as err:
-        raise DestinationError(
-            f"cannot create {tmp} ({err.strerror or err}); choose a writable destination"
-        ) from err
+    tmp = _create_partial(dest, replaceable, what, Path.mkdir)
     try:
         yield tmp
         _move_into_place(tmp, dest, replaceable, what)
@@ -155,15 +161,7 @@ def atomic_file(
     dest = Path(dest).absolute()
     if dest.is_dir():
         raise DestinationError(f"{dest} is a directory; give the path of a file")
-    _refuse_existing(dest, replaceable, what)
-    _make_parent(dest)
-    tmp = dest.parent / _temp_name(dest.name, "partial")
-    try:
-        tmp.touch(exist_ok=False)
-    except OSError as err:
-        raise DestinationError(
-            f"cannot create {tmp} ({err.strerror or err}); choose a writable destination"
-        ) from err
+    tmp = _create_partial(dest, replaceable, what, lambda path: path.touch(exist_ok=False))
     try:
         yield tmp
         with open(tmp, "rb+") as f:

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from specjax import checkpoint
 from specjax.drafters import registry
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import CheckpointError
@@ -130,16 +131,13 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         step = manager.latest_step()
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
-        try:
-            restored = manager.restore(
-                step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
-            )
-        except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
-            raise CheckpointError(
-                f"cannot restore head parameters of step {step} from {workdir / 'checkpoints'} "
-                f"({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: "
-                "delete that step to fall back to an earlier one, or retrain"
-            ) from err
+        restored = checkpoint.restore_step(
+            manager,
+            step,
+            f"restore head parameters of step {step} from {workdir / 'checkpoints'}",
+            "delete that step to fall back to an earlier one, or retrain",
+            params=ocp.args.StandardRestore(abstract),
+        )
     params = restored["params"]
     return meta, graphdef, jax.tree.map(jnp.asarray, params)
 

@@ -3,6 +3,7 @@ written beside their destination and renamed into place, never over what specjax
 stores carry their provenance; a workdir records its config and is locked; bad settings and a non-finite loss
 stop a run with one clear error. Sentinel files must come out byte-for-byte intact."""
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import pytest
 from flax import nnx
 
 from specjax import checkpoint, files, heads
+from specjax.drafters import registry
 from specjax.models.loading import tokenizer_files
 from specjax.models.weights import build_params
 from specjax.training import data, trainer
@@ -342,16 +344,27 @@ def test_feature_store_of_another_target_or_corpus_is_refused(tmp_path, stories,
         ("optimizer.warmup_steps", -5, "warmup_steps=-5 must be >= 0"),
         ("data.num_samples", 0, "num_samples=0 must be >= 1"),
         ("data.source", "/no/such/file.txt", "neither 'self_distill' nor an existing"),
+        ("heads.decay", 0.0, "heads.decay=0.0 must be > 0"),
+        ("heads.num_heads", 0, "heads.num_heads=0 must be >= 1"),
+        ("method", "eagle", "heads keys ['decay', 'num_heads', 'num_layers'] are not the eagle settings"),
+        ("method", "ngram", "method='ngram' is not one of ['eagle', 'medusa']"),
     ],
 )
 def test_bad_settings_fail_before_anything_runs(key, value, message, tmp_path):
     config = smoke(base_config("medusa"))
     config.target = str(tmp_path / "nowhere")  # validation comes before the target is even looked for
-    section, name = key.split(".")
-    setattr(config[section], name, value)
-    with pytest.raises(TrainingConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    *section, name = key.split(".")
+    setattr(config[section[0]] if section else config, name, value)
+    with pytest.raises(TrainingConfigError, match=re.escape(message)):
         trainer.train(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_head_settings_come_from_the_drafters_dataclass():
+    for method in registry.head_methods():
+        settings = registry.trained(method).settings
+        assert base_config(method).heads.to_dict() == dataclasses.asdict(settings())
+        assert set(settings.RULES) <= set(base_config(method).heads.keys())
 
 
 def test_sequence_beyond_the_targets_context(target_dir, text_source, tmp_path):

@@ -9,6 +9,7 @@ with the target's true features. Embedding and LM head are the target's (frozen,
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -160,9 +161,22 @@ def eagle_loss(graphdef, layer_cfg, params, feats_BTH, tokens_BT, key, noise: fl
     return loss, {"loss": loss, "feature_loss": feature_loss, "ce": ce, "top1": top1}
 
 
+@dataclasses.dataclass(frozen=True)
+class EagleTraining:
+    """`config.heads` of an EAGLE training run."""
+
+    noise: float = 0.2  # width of the uniform noise added to the input features
+    ce_weight: float = 0.1  # weight of the cross-entropy beside the SmoothL1 feature loss
+    RULES: ClassVar = {
+        "noise": (lambda v: v >= 0, "must be >= 0"),
+        "ce_weight": (lambda v: v >= 0, "must be >= 0"),
+    }
+
+
 heads.register(
     "eagle",
     registry.TrainedHeads(
+        settings=EagleTraining,
         init=lambda shape, cfg, target_params, seed: init_eagle(cfg, seed),
         drafter_params=lambda params, cfg, target_params: {
             "head": params,

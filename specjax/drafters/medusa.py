@@ -5,6 +5,7 @@ the heads: a chain of top-1 guesses or the Cartesian top-k of the heads along a 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -118,9 +119,24 @@ def medusa_loss(graphdef, params, feats_BTH, tokens_BT, decay: float):
     return loss, metrics | {"loss": loss}
 
 
+@dataclasses.dataclass(frozen=True)
+class MedusaTraining:
+    """`config.heads` of a Medusa training run."""
+
+    num_heads: int = 4  # heads, head i predicts the token i + 2 ahead
+    num_layers: int = 1  # residual blocks per head
+    decay: float = 0.8  # head i's loss weight is decay^i (1 = uniform)
+    RULES: ClassVar = {
+        "num_heads": (lambda v: v >= 1, "must be >= 1"),
+        "num_layers": (lambda v: v >= 1, "must be >= 1"),
+        "decay": (lambda v: v > 0, "must be > 0"),
+    }
+
+
 heads.register(
     "medusa",
     registry.TrainedHeads(
+        settings=MedusaTraining,
         init=lambda shape, cfg, target_params, seed: init_medusa(
             shape["num_heads"], shape["num_layers"], target_io(cfg, target_params)["unembed"]
         ),

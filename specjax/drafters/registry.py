@@ -22,8 +22,11 @@ class TrainedHeads:
     drafter_params(params, target_cfg, target_params) -> what the drafter's functions take;
     drafter(shape: dict, graphdef, target_cfg, k, sampler, tree) -> Drafter;
     loss(graphdef, target_cfg, drafter_params, feats_BTH, tokens_BT, key, config.heads) -> (loss, metrics);
-    shape_of(config.heads) -> the head shape recorded in heads.json."""
+    shape_of(config.heads) -> the head shape recorded in heads.json;
+    settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)
+    and checked against (its `RULES`: field -> (predicate, what a valid value is))."""
 
+    settings: type
     init: Callable
     drafter_params: Callable
     drafter: Callable

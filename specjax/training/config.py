@@ -4,6 +4,7 @@ loaded or compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,9 +15,19 @@ class TrainingConfigError(ValueError):
     """A training setting that cannot work; the message names the key, the value and the fix."""
 
 
+def _head_settings(method: str) -> type:
+    from specjax.drafters import registry
+
+    if method not in registry.head_methods():
+        raise TrainingConfigError(
+            f"method {method!r} trains no heads; choose one of {registry.head_methods()}"
+        )
+    return registry.trained(method).settings
+
+
 def base_config(method: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.method = method  # "medusa" or "eagle"
+    c.method = method  # a drafter with trained heads: specjax.drafters.registry.head_methods()
     c.target = "checkpoints/stories260K"  # a specjax (Orbax) checkpoint: python -m specjax.convert SRC DST
     c.seed = 0
 
@@ -34,12 +45,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     )
     c.data.store = ""  # feature-store folder for features = "store"
 
-    c.heads = ml_collections.ConfigDict()
-    c.heads.num_heads = 4  # Medusa
-    c.heads.num_layers = 1  # Medusa residual blocks per head
-    c.heads.decay = 0.8  # Medusa: head i's loss weight decay^i (1 = uniform)
-    c.heads.noise = 0.2  # EAGLE: width of the uniform noise on input features
-    c.heads.ce_weight = 0.1  # EAGLE: weight of the cross-entropy beside the SmoothL1 feature loss
+    c.heads = ml_collections.ConfigDict(dataclasses.asdict(_head_settings(method)()))
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 1e-3
@@ -139,11 +145,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "data.store",
         "is empty but data.features='store' needs a folder",
     )
-    need(h.num_heads >= 1, "heads.num_heads", "must be >= 1")
-    need(h.num_layers >= 1, "heads.num_layers", "must be >= 1")
-    need(h.decay > 0, "heads.decay", "must be > 0")
-    need(h.noise >= 0, "heads.noise", "must be >= 0")
-    need(h.ce_weight >= 0, "heads.ce_weight", "must be >= 0")
+    settings = _head_settings(c.method)
+    fields = sorted(f.name for f in dataclasses.fields(settings))
+    if sorted(h.keys()) != fields:
+        raise TrainingConfigError(
+            f"config heads keys {sorted(h.keys())} are not the {c.method} settings {fields}; "
+            f"start the config from base_config({c.method!r}) (see configs/{c.method}.py)"
+        )
+    for key, (ok, rule) in settings.RULES.items():
+        need(ok(h[key]), f"heads.{key}", rule)
     need(o.lr > 0, "optimizer.lr", "must be > 0")
     need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     need(0 <= o.final_lr_fraction <= 1, "optimizer.final_lr_fraction", "must be in [0, 1]")

@@ -260,21 +260,15 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree
         )
-        try:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(abstract(params)),
-                    opt_state=ocp.args.StandardRestore(abstract(opt_state)),
-                    progress=ocp.args.JsonRestore(),
-                ),
-            )
-        except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
-            raise CheckpointError(
-                f"cannot resume from step {step} in {workdir / 'checkpoints'} ({type(err).__name__}: "
-                f"{str(err)[:300]}); the checkpoint is corrupt: delete that step directory to "
-                "resume from an earlier one"
-            ) from err
+        restored = checkpoint.restore_step(
+            manager,
+            step,
+            f"resume from step {step} in {workdir / 'checkpoints'}",
+            "delete that step directory to resume from an earlier one",
+            params=ocp.args.StandardRestore(abstract(params)),
+            opt_state=ocp.args.StandardRestore(abstract(opt_state)),
+            progress=ocp.args.JsonRestore(),
+        )
         params, opt_state, position = (
             restored["params"],
             restored["opt_state"],

@@ -15,7 +15,7 @@ runs = {"devices": len(jax.devices())}
 for name, n_data, n_model in [("data1", 1, 1), ("data8", 8, 1), ("data4_model2", 4, 2)]:
     c = smoke(base_config("eagle"))
     c.target, c.data.cache = target, corpus
-    c.train.steps, c.train.log_every, c.train.batch_size = 20, 1, 16
+    c.train.steps, c.train.log_every, c.train.batch_size = 8, 1, 16
     c.mesh.data, c.mesh.model = n_data, n_model
     trainer.train(c, Path(out) / name)
     runs[name] = [

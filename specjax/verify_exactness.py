@@ -133,6 +133,8 @@ def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler,
     zero-initialised parts (Medusa's residual blocks) do not make them copy the target; others are built by the
     registry with default settings."""
     entry = registry.get(name)
+    if entry.example is not None:
+        return entry.example(target, k, tree, sampler)
     if entry.heads is None:
         return entry.build(target, entry.settings(), k, tree, sampler)
     from specjax.training.config import base_config

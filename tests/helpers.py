@@ -1,6 +1,11 @@
 """Test helpers shared by several test modules: models, prompts, the chi-square test, negative controls."""
 
+import functools
+import importlib.util
+from pathlib import Path
+
 import numpy as np
+from absl import flags
 from conftest import STORIES_PROMPT, TINY
 from scipy.stats import chi2_contingency
 
@@ -66,3 +71,23 @@ def run_patched(monkeypatch, name: str, replacement, run):
         return run()
     finally:
         speculative_compiled.clear_cache()
+
+
+@functools.cache
+def cli():
+    """run_decode.py as a module, loaded once (its flags are defined once per process)."""
+    spec = importlib.util.spec_from_file_location("run_decode", Path(__file__).parents[1] / "run_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_cli(module, capsys, *args) -> str:
+    """Runs run_decode's main with these flags (after a short default prompt); returns what it printed."""
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["run_decode.py", "--prompt=Once upon a time", "--max_new_tokens=40", *args])
+    try:
+        module.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
+    return capsys.readouterr().out

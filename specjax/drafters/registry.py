@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-BUILTIN = ("draft_model", "medusa", "eagle", "ngram")
+BUILTIN = ("draft_model", "medusa", "eagle", "ngram", "layer_skip", "lookahead", "retrieval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,8 @@ class Entry:
     build: Callable
     help: dict = dataclasses.field(default_factory=dict)
     heads: TrainedHeads | None = None
+    example: Callable | None = None  # (target, k, tree, sampler) -> (drafter, params) on a tiny random
+    # target without a tokenizer, for exactness checks; default: `build` with default settings
 
 
 DRAFTERS: dict[str, Entry] = {}

@@ -3,23 +3,23 @@
 python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperature=0.8
 python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
 python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
+
+A user error ends with one line `error: ...` (exit status 1), checked before the model loads where it can be;
+SPECJAX_DEBUG=1 shows the traceback. A temperature below 1e-5 decodes greedily, with a warning.
 """
 
 import dataclasses
-import os
-import sys
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from specjax import acceptance
+from specjax import acceptance, cli
 from specjax.decoding import GenerateSpec
 from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
 from specjax.runner import decode_texts
-from specjax.sampling import Sampler
 from specjax.trees import parse_tree
 
 FLAGS = flags.FLAGS
@@ -68,10 +68,29 @@ define_drafter_flags()
 
 
 def read_prompts() -> list[str]:
+    """--prompt values, then the lines of --prompts_file; 'Once upon a time' when neither is given. A prompts
+    file that is missing, unreadable, not UTF-8 text or without a non-blank line is an error."""
     prompts = list(FLAGS.prompt or [])
     if FLAGS.prompts_file:
-        with open(FLAGS.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        path = FLAGS.prompts_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as err:
+            raise cli.UsageError(
+                f"--prompts_file={path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                "give a text file with one prompt per line"
+            ) from err
+        except OSError as err:
+            raise cli.UsageError(
+                f"cannot read --prompts_file={path} ({(err.strerror or str(err)).lower()}); "
+                "give a text file with one prompt per line"
+            ) from err
+        if not lines:
+            raise cli.UsageError(
+                f"--prompts_file={path} holds no prompt (no non-blank line); write one prompt per line"
+            )
+        prompts += lines
     return prompts or ["Once upon a time"]
 
 
@@ -79,34 +98,55 @@ def drafter_flags() -> set[str]:
     return {f.name for n in registry.names() for f in dataclasses.fields(registry.get(n).settings)}
 
 
-def make_drafter(target, sampler):
-    """(drafter, its params) from the flags, or (None, None) for AR; a drafter flag that the chosen drafter
-    does not read is an error, not a silent no-op."""
+def drafter_plan():
+    """(registry entry, settings, k, tree) from the flags, or None for AR, checked before anything is loaded;
+    a drafter flag that the chosen drafter does not read is an error, not a silent no-op."""
     given = {name for name in drafter_flags() | SPECULATIVE_FLAGS if FLAGS[name].present}
     if FLAGS.drafter == "none":
         if given:
-            raise ValueError(f"--{', --'.join(sorted(given))} need a drafter; pass --drafter=NAME")
-        return None, None
+            raise cli.UsageError(f"--{', --'.join(sorted(given))} need a drafter; pass --drafter=NAME")
+        return None
     entry = registry.get(FLAGS.drafter)
     own = {f.name for f in dataclasses.fields(entry.settings)}
     if given - own - SPECULATIVE_FLAGS:
         stray = ", --".join(sorted(given - own - SPECULATIVE_FLAGS))
-        raise ValueError(f"--{stray} do not apply to --drafter={entry.name}; drop them")
+        raise cli.UsageError(f"--{stray} do not apply to --drafter={entry.name}; drop them")
     tree = parse_tree(FLAGS.tree)
     k = FLAGS.k if tree is None else tree.depth
+    if k < 1:
+        raise cli.UsageError(f"--k={k} drafts nothing; pass --k=1 or more (draft tokens per round)")
     settings = entry.settings(**{name: FLAGS[name].value for name in own})
+    return entry, settings, k, tree
+
+
+def make_drafter(target, sampler, plan):
+    """(drafter, its params) built on `target` from `drafter_plan()`; (None, None) for AR."""
+    if plan is None:
+        return None, None
+    entry, settings, k, tree = plan
+    widest = getattr(tree, "top_k", None) or max((p[-1] + 1 for p in getattr(tree, "paths", ())), default=0)
+    if widest > target.cfg.vocab_size:
+        raise cli.UsageError(
+            f"--tree={FLAGS.tree} drafts {widest} candidates per node, more than the model's vocabulary of "
+            f"{target.cfg.vocab_size}; pass a narrower tree"
+        )
     return entry.build(target, settings, k, tree, sampler)
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    sampler = Sampler(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    # every flag is checked before the model is loaded or anything compiled
+    if FLAGS.max_new_tokens < 1 or FLAGS.batch_size < 1:
+        bad = "max_new_tokens" if FLAGS.max_new_tokens < 1 else "batch_size"
+        raise cli.UsageError(f"--{bad}={FLAGS[bad].value} must be >= 1; pass a positive --{bad}")
+    sampler = cli.sampler(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     prompts = read_prompts()
-    model = load_model(FLAGS.model, FLAGS.dtype)
     rule = acceptance.get(FLAGS.acceptance)
+    plan = drafter_plan()
+    model = load_model(FLAGS.model, FLAGS.dtype)
     spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule)
-    drafter, drafter_params = make_drafter(model, sampler)
+    drafter, drafter_params = make_drafter(model, sampler, plan)
     report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
     for prompt, text in zip(prompts, report.texts):
         print(f"--- {prompt!r}\n{prompt}{text}\n")
@@ -117,16 +157,18 @@ def main(argv):
         "| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n"
         "|---|---|---|---|---|---|---|---|"
     )
+    name = model.path.name
     for mode, r in runs:
         print(
-            f"| {mode} | {model.path.name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
+            f"| {mode} | {name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
             f"| {r.run_s:.3f} | {r.tokens_per_s:.1f} |"
         )
     if drafter:
         stats = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *report.stats)  # add up the batches
         m = summarize(stats)
+        shape = drafter.shape.describe()
         print(
-            f"\n{drafter.shape.describe()}, acceptance {rule.name}: tau {m['tau']:.2f} tokens/pass, "
+            f"\n{shape}, acceptance {rule.name}: tau {m['tau']:.2f} tokens/pass, "
             f"draft efficiency {m['draft_efficiency']:.2f}, "
             f"alpha_i {np.round(m['alpha'], 2).tolist()}, accepted histogram {m['hist'].tolist()}"
         )
@@ -134,15 +176,5 @@ def main(argv):
             print(f"speedup over AR: {speedup(runs[1][1].run_s, report.run_s):.2f}x")
 
 
-def run(argv) -> None:
-    """`main` with user errors as one line `error: ...` and exit status 1 (SPECJAX_DEBUG=1: traceback)."""
-    try:
-        main(argv)
-    except (ValueError, OSError) as err:  # specjax's typed errors are ValueErrors
-        if os.environ.get("SPECJAX_DEBUG"):
-            raise
-        sys.exit(f"error: {err}")
-
-
 if __name__ == "__main__":
-    app.run(run)
+    cli.run(main)

@@ -10,14 +10,15 @@ while a run uses it. Ctrl-C or SIGTERM (preemption) saves the current step befor
 SPECJAX_DEBUG=1 shows the traceback.
 """
 
-import os
 import signal
 import sys
 import threading
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from specjax import cli
+from specjax.training.config import check_command_line
 from specjax.training.trainer import NonFiniteLossError, train
 
 config_flags.DEFINE_config_file(
@@ -36,16 +37,11 @@ def main(argv):
     preempted = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.set())
     logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)  # per-save chatter
-    try:
-        summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
-    except (ValueError, OSError, NonFiniteLossError) as err:  # specjax's typed errors are ValueErrors
-        if os.environ.get("SPECJAX_DEBUG"):
-            raise
-        sys.exit(f"error: {err}")
+    summary = train(flags.FLAGS.config, flags.FLAGS.workdir, stop=preempted)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     if preempted.is_set():
         sys.exit(f"stopped by SIGTERM at step {summary['step']}: re-run with the same --workdir to resume")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, errors=(NonFiniteLossError,), check=check_command_line)

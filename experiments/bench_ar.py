@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments.common import SHAPES, interleaved_medians, random_hf_model, read_bandwidth_gbs, write_table
+from specjax import cli
 from specjax.decoding import GenerateSpec, compile_decode
 from specjax.models.loading import load_model
 
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

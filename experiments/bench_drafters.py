@@ -25,9 +25,10 @@ import jax
 import numpy as np
 import torch
 import transformers
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments import common
+from specjax import cli
 from specjax.decoding import GenerateSpec, compile_decode
 from specjax.drafters.ngram import NGram
 from specjax.models.loading import load_model
@@ -206,4 +207,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -12,10 +12,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments.common import decode_seconds, write_table
-from specjax import heads
+from specjax import cli, heads
 from specjax.decoding import GenerateSpec, generate
 from specjax.drafters import registry
 from specjax.drafters.medusa import medusa_loss
@@ -162,4 +162,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

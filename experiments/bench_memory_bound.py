@@ -37,9 +37,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments import common
+from specjax import cli
 from specjax.analysis import expected_tokens_per_round
 from specjax.drafters.base import target_io
 from specjax.models import expand
@@ -548,4 +549,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import torch
 import transformers
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments.common import (
     SHAPES,
@@ -36,6 +36,7 @@ from experiments.common import (
     random_hf_model,
     write_table,
 )
+from specjax import cli
 from specjax.analysis import expected_speedup
 from specjax.decoding import GenerateSpec, compile_decode, prepare_speculative
 from specjax.drafters.draft_model import DraftModel
@@ -241,4 +242,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

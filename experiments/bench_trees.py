@@ -8,9 +8,10 @@ side by side in one run. Writes results/bench_trees.{md,csv}.
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments.common import decode_seconds, per_call_seconds, write_table
+from specjax import cli
 from specjax.decoding import GenerateSpec
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
@@ -88,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

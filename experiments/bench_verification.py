@@ -27,10 +27,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments import common
-from specjax import acceptance
+from specjax import acceptance, cli
 from specjax.acceptance.block import block_weights
 from specjax.acceptance.rejection import acceptance_probs
 from specjax.decoding import GenerateSpec, compile_decode
@@ -190,8 +190,8 @@ def main(argv):
         FLAGS.temperatures, FLAGS.drafters, FLAGS.tree = ["1.0"], ["medusa"], "0;1;0,0"
     common.RESULTS = Path(FLAGS.results)  # where write_table writes
     if "tokenwise" not in FLAGS.rules or (FLAGS.tree and "tokenwise" not in FLAGS.tree_rules):
-        raise app.UsageError(
-            "--rules and --tree_rules must include tokenwise: its samples give the contexts"
+        raise cli.UsageError(
+            "--rules and --tree_rules must include tokenwise (its samples give the contexts); add it"
         )
     shapes = [(None, [acceptance.get(r) for r in FLAGS.rules])]
     if FLAGS.tree:
@@ -219,4 +219,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

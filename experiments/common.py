@@ -65,6 +65,8 @@ def interleaved_times(fns: dict, repeats: int) -> dict:
     on a shared machine whose speed drifts by tens of percent over seconds: the times of one round saw the same
     drift, so a ratio computed within each round (then its median) cancels it. Bursts shorter than one call do
     not cancel: repeat more."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} times nothing; pass --repeats=1 or more")
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm-up

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import acceptance
+from specjax import acceptance, cli
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters import registry
 from specjax.metrics import summarize
@@ -465,14 +464,24 @@ def main(argv=None) -> int:
     argv = f(sys.argv if argv is None else argv)
     if len(argv) > 1 or f.drafter is None:
         raise ValueError(
-            f"pass --drafter=NAME (one of {registry.names()})"
+            f"no drafter to check; pass --drafter=NAME (one of {registry.names()})"
             + (f"; unexpected arguments {argv[1:]}" if len(argv) > 1 else "")
         )
+    for name, ok, rule in (
+        ("samples", f.samples >= 0, ">= 0 (0: the default)"),
+        ("k", f.k >= 1, ">= 1"),
+        ("tokens", f.tokens >= 2, ">= 2 (the first comes from the prefill)"),
+        ("alpha", 0 < f.alpha < 1, "in (0, 1), e.g. 1e-3"),
+    ):
+        if not ok:
+            raise cli.UsageError(f"--{name}={f[name].value} must be {rule}; pass a valid --{name}")
     settings = {}
     for item in f.drafter_setting:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--drafter_setting={item!r} is not KEY=VALUE")
+            raise cli.UsageError(
+                f"--drafter_setting={item!r} is not KEY=VALUE; write e.g. --drafter_setting=draft_layers=2"
+            )
         settings[key] = value
     report = verify(
         f.drafter,
@@ -480,7 +489,7 @@ def main(argv=None) -> int:
         model=f.model,
         k=f.k,
         tree=f.tree,
-        sampler=Sampler(f.temperature, f.top_k, f.top_p),
+        sampler=cli.sampler(f.temperature, f.top_k, f.top_p),
         samples=f.samples,
         tokens=f.tokens,
         method=f.method,
@@ -494,16 +503,9 @@ def main(argv=None) -> int:
 
 
 def run() -> None:
-    """`main` with user errors as one line `error: ...` and exit status 2 (SPECJAX_DEBUG=1: traceback); a failed
-    check exits with status 1."""
-    try:
-        code = main()
-    except (ValueError, OSError) as err:
-        if os.environ.get("SPECJAX_DEBUG"):
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    """`main` with user errors as one line `error: ...` and exit status 2 (SPECJAX_DEBUG=1: traceback, see
+    `specjax.cli`); a failed check exits with status 1."""
+    sys.exit(cli.guarded(main, status=2, positional=True)(sys.argv))
 
 
 if __name__ == "__main__":

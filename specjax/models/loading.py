@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from specjax import checkpoint
-from specjax.models.config import LlamaConfig
+from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
 from specjax.tokenizer import HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer
 
@@ -50,7 +50,10 @@ def resolve(name: str | None = None) -> Path:
         return _download(HUB_REPO, HUB_FILES, name)
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return _download(name, None, name)
-    raise FileNotFoundError(f"model {name!r} is neither a local path nor a hub repository id (org/name)")
+    raise FileNotFoundError(
+        f"model {name!r} is neither a local path nor a hub repository id (org/name); pass an existing model "
+        f"directory or file, a hub id, or {DEFAULT_MODEL}"
+    )
 
 
 def _download(repo: str, files: tuple[str, ...] | None, name: str) -> Path:
@@ -91,6 +94,48 @@ def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     return tok
 
 
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def read_hf_config(file: Path, dtype: str = "float32") -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face `config.json`; a file that is not a JSON object or lacks a setting
+    the decoder needs is a CheckpointError naming the file and the setting."""
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(
+            f"{file} is not valid JSON ({err}); fix it or download the model's config.json again"
+        ) from err
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file} holds a {type(hf).__name__}, not a JSON object; download it again")
+    for key in SIZES:
+        if hf.get(key) is not None and not (isinstance(hf[key], int) and hf[key] >= 1):
+            raise CheckpointError(
+                f"{file}: {key}={hf[key]!r} must be a positive integer; fix it or download the config again"
+            )
+    try:
+        return LlamaConfig.from_hf(hf, dtype)
+    except KeyError as err:
+        raise CheckpointError(
+            f"{file} lacks {err}, which a Llama-family config needs; download the model's config.json again"
+        ) from None
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise CheckpointError(
+            f"{file} has a setting of the wrong type ({err}); fix it or download the model's config.json again"
+        ) from err
+
+
 def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
     """Loads weights and tokenizer from a path or name (see the module docstring)."""
     path = resolve(name)
@@ -99,7 +144,7 @@ def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
         cfg, graphdef, params = checkpoint.restore_model(path, dtype)
         tok_folder = path / "tokenizer"
     elif (path / "config.json").exists():
-        cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()), dtype)
+        cfg = read_hf_config(path / "config.json", dtype)
         graphdef, params = params_from_hf(cfg, read_safetensors(path))
     else:
         bins = (
@@ -109,7 +154,8 @@ def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
         )
         if not bins:
             raise CheckpointError(
-                f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint"
+                f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint; pass a "
+                "Hugging Face model directory, a llama2.c file or a checkpoint written by specjax.convert"
             )
         tok_folder = bins[0].parent
         cfg, graphdef, params = read_llama2c(bins[0], dtype)

@@ -107,35 +107,44 @@ def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
 def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]):
     """(graphdef, params) from Hugging Face Llama/Mistral/Qwen2 tensor names."""
 
-    def get(name):
+    d, v, f = cfg.dim, cfg.vocab_size, cfg.hidden_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def get(name, shape):
         if name not in tensors:
             raise CheckpointError(f"tensor {name!r} is missing from the safetensors checkpoint")
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json implies {shape}; "
+                "the weights and config.json do not belong together: download them again"
+            )
         return np.asarray(tensors[name], dtype=np.float32)
 
     layers = []
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        bias = [get(a + f"{n}_proj.bias") for n in "qkv"] if cfg.qkv_bias else None
+        bias = (
+            [get(a + f"{n}_proj.bias", (m,)) for n, m in zip("qkv", (q, kv, kv))] if cfg.qkv_bias else None
+        )
         layers.append(
             _layer(
-                get(p + "input_layernorm.weight"),
-                get(a + "q_proj.weight"),
-                get(a + "k_proj.weight"),
-                get(a + "v_proj.weight"),
-                get(a + "o_proj.weight"),
-                get(p + "post_attention_layernorm.weight"),
-                get(p + "mlp.gate_proj.weight"),
-                get(p + "mlp.up_proj.weight"),
-                get(p + "mlp.down_proj.weight"),
+                get(p + "input_layernorm.weight", (d,)),
+                get(a + "q_proj.weight", (q, d)),
+                get(a + "k_proj.weight", (kv, d)),
+                get(a + "v_proj.weight", (kv, d)),
+                get(a + "o_proj.weight", (d, q)),
+                get(p + "post_attention_layernorm.weight", (d,)),
+                get(p + "mlp.gate_proj.weight", (f, d)),
+                get(p + "mlp.up_proj.weight", (f, d)),
+                get(p + "mlp.down_proj.weight", (d, f)),
                 bias,
-                get(a + "o_proj.bias") if cfg.o_bias else None,
+                get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
             )
         )
-    lm_head = None if cfg.tie_embeddings else get("lm_head.weight")
-    return build_params(
-        cfg, _assemble(cfg, get("model.embed_tokens.weight"), layers, get("model.norm.weight"), lm_head)
-    )
+    lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (v, d))
+    embed, norm = get("model.embed_tokens.weight", (v, d)), get("model.norm.weight", (d,))
+    return build_params(cfg, _assemble(cfg, embed, layers, norm, lm_head))
 
 
 # --- llama.c legacy (version 0) -----------------------------------------------------------------
@@ -159,7 +168,9 @@ def read_llama2c(path: Path, dtype: str = "float32"):
         raise CheckpointError(f"llama2.c checkpoint {path} does not exist")
     raw = path.read_bytes()
     if len(raw) < LLAMA2C_HEADER:
-        raise CheckpointError(f"llama2.c checkpoint {path} is truncated (only {len(raw)} bytes)")
+        raise CheckpointError(
+            f"llama2.c checkpoint {path} is truncated (only {len(raw)} bytes); download or export it again"
+        )
     if raw[:4] == b"42ka":  # b'ak42' magic, little-endian
         raise CheckpointError(
             f"{path} is a versioned llama2.c export; re-export it with llama2.c's legacy_export"
@@ -168,7 +179,10 @@ def read_llama2c(path: Path, dtype: str = "float32"):
     shared = vocab > 0
     vocab = abs(vocab)
     if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads:
-        raise CheckpointError(f"{path} does not start with a valid llama2.c header")
+        raise CheckpointError(
+            f"{path} does not start with a valid llama2.c header; pass a llama2.c legacy checkpoint (*.bin), a "
+            "Hugging Face model directory or a specjax checkpoint"
+        )
     cfg = LlamaConfig(
         vocab_size=vocab,
         dim=dim,
@@ -202,7 +216,7 @@ def read_llama2c(path: Path, dtype: str = "float32"):
     if len(raw) != need:
         raise CheckpointError(
             f"llama2.c checkpoint {path} has {len(raw)} bytes, its header implies {need}: "
-            "the file is truncated or corrupt"
+            "the file is truncated or corrupt; download or export it again"
         )
     flat = np.frombuffer(raw, np.float32, offset=LLAMA2C_HEADER)
     t, offset = {}, 0

@@ -5,7 +5,9 @@ loaded or compiled."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import runpy
 from pathlib import Path
 
 import ml_collections
@@ -28,7 +30,11 @@ def _head_settings(method: str) -> type:
 def base_config(method: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = method  # a drafter with trained heads: specjax.drafters.registry.head_methods()
-    c.target = "checkpoints/stories260K"  # a specjax (Orbax) checkpoint: python -m specjax.convert SRC DST
+    # The frozen target: anything run_decode.py --model takes (a model name, a Hugging Face directory, a llama2.c
+    # file, a hub id) or a specjax (Orbax) checkpoint. Anything but a checkpoint is converted once into one at
+    # target_checkpoint ("" = checkpoints/NAME), recorded with its source and reused while the source is unchanged.
+    c.target = "stories260K"
+    c.target_checkpoint = ""
     c.seed = 0
 
     c.data = ml_collections.ConfigDict()
@@ -70,6 +76,17 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     return c
 
 
+def variant(c: ml_collections.ConfigDict, name: str = "") -> ml_collections.ConfigDict:
+    """`c` as the config-file variant `name` (`--config=FILE:NAME`): '' is the full run, 'smoke' is `smoke(c)`;
+    any other name is an error (it would otherwise run the full config without a word)."""
+    if name not in VARIANTS:
+        raise TrainingConfigError(
+            f"unknown config variant {name!r}; use one of {sorted(v for v in VARIANTS if v)} after the file "
+            "name (e.g. --config=configs/eagle.py:smoke) or none for the full run"
+        )
+    return VARIANTS[name](c)
+
+
 def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Shrinks a config to a run of seconds: a small self-distilled corpus (not cached), a few steps."""
     c.data.num_samples = 64
@@ -84,10 +101,13 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+VARIANTS = {"": lambda c: c, "smoke": smoke}
+
 # Keys that change how a run is carried out, not what it trains: a resumed run may change them freely.
 OPERATIONAL = frozenset(
     {
         "target",  # compared by the target's identity instead (the same weights may move)
+        "target_checkpoint",
         "data.cache",
         "data.features",
         "data.store",
@@ -126,6 +146,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         if isinstance(value, float):
             need(math.isfinite(value), key, "is not a finite number")
     need(c.method in head_methods(), "method", f"is not one of {head_methods()}")
+    need(isinstance(c.target, str) and bool(c.target.strip()), "target", "must name a model or checkpoint")
     need(c.seed >= 0, "seed", "must be >= 0")
     d, h, o, t = c.data, c.heads, c.optimizer, c.train
     if d.source != "self_distill":
@@ -172,3 +193,44 @@ def validate(c: ml_collections.ConfigDict) -> None:
     )
     need(c.mesh.data == -1 or c.mesh.data >= 1, "mesh.data", "must be -1 (all devices) or >= 1")
     need(c.mesh.model >= 1, "mesh.model", "must be >= 1")
+
+
+def check_command_line(argv: list[str], flag: str = "config") -> None:
+    """Refuses, before absl parses `argv`, what it would report as a traceback or not at all: a --config file
+    that does not exist or does not load, an unknown variant (FILE:NAME), and a --config.KEY override naming no
+    key of that config (with the nearest key, or the list of keys)."""
+    spec, overrides, args = None, [], iter(argv[1:])
+    for arg in args:
+        if arg == "--":
+            break
+        if arg.startswith(f"--{flag}="):
+            spec = arg.split("=", 1)[1]
+        elif arg == f"--{flag}":
+            spec = next(args, None)
+        elif arg.startswith(f"--{flag}."):
+            overrides.append(arg[len(flag) + 3 :].split("=", 1)[0])
+    if spec is None:
+        return  # absl says that --config is required
+    path, *name = spec.split(":", 1)
+    if not Path(path).is_file():
+        raise TrainingConfigError(
+            f"config file {path} does not exist; pass --config=configs/medusa.py or configs/eagle.py "
+            "(add :smoke for a run of seconds)"
+        )
+    try:
+        config = runpy.run_path(path)["get_config"](*name)
+    except TrainingConfigError:
+        raise
+    except Exception as err:  # the file is Python: anything can go wrong in it
+        raise TrainingConfigError(
+            f"cannot load the config file {path} ({type(err).__name__}: {err}); it must define get_config() "
+            "like configs/medusa.py"
+        ) from err
+    keys = sorted(flatten(config))
+    for key in overrides:
+        if key not in keys:
+            near = difflib.get_close_matches(key, keys, 1)
+            raise TrainingConfigError(
+                f"unknown config key {key!r} (--{flag}.{key}); "
+                + (f"did you mean {near[0]!r}?" if near else f"the keys are {', '.join(keys)}")
+            )

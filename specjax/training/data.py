@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
-from specjax import files
+from specjax import cli, files
 from specjax.decoding import GenerateSpec, generate
 from specjax.sampling import Sampler
 
@@ -59,8 +59,15 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
         raise FileNotFoundError(
             f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
         )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"training text {path} is not UTF-8 text ({err.reason} at byte {err.start}); set data.source to a "
+            ".txt or .jsonl file"
+        ) from err
     docs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":
@@ -69,11 +76,14 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
                 text = record["text"] if "text" in record else record["prompt"] + record["response"]
             except (ValueError, KeyError, TypeError) as err:
                 raise DataError(
-                    f"{path}:{n}: expected a JSON object with 'text' or 'prompt' and 'response' ({err})"
+                    f"{path}:{n}: expected a JSON object with 'text' or 'prompt' and 'response' ({err}); fix "
+                    "that line, or give a .txt file with one document per line"
                 ) from err
         else:
             text = line
         docs.append(tokenizer.encode(text))
+    if not docs:
+        raise DataError(f"training text {path} holds no document (every line is blank); add text to it")
     return docs
 
 
@@ -101,8 +111,9 @@ def self_distill(
     seed: int,
     batch: int = 64,
 ) -> list[list[int]]:
-    """`n_samples` documents sampled from the target (BOS, then up to `max_len` tokens, ending at EOS)."""
-    spec = GenerateSpec(max_len, Sampler(temperature), eos_id=eos_id)
+    """`n_samples` documents sampled from the target (BOS, then up to `max_len` tokens, ending at EOS); a
+    temperature below `cli.GREEDY_BELOW` samples greedily, as decoding does."""
+    spec = GenerateSpec(max_len, Sampler(cli.temperature(temperature, "data.temperature")), eos_id=eos_id)
     docs = []
     for i, _start in enumerate(range(0, n_samples, batch)):
         out = generate(cfg, graphdef, params, [[bos_id]] * batch, spec, seed=seed + i)

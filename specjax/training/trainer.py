@@ -1,4 +1,5 @@
-"""Optax training of Medusa / EAGLE heads on a frozen target restored from an Orbax checkpoint.
+"""Optax training of Medusa / EAGLE heads on a frozen target restored from an Orbax checkpoint (a target given as
+anything else the decoder loads is converted into one on the first run: `checkpoint.converted`).
 
 Sharding: a `("data", "model")` mesh; the batch is split over `data`, head parameters and optimiser state
 are replicated, the frozen target's matrices are split over `model` along their first axis. The same code
@@ -31,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 from specjax import checkpoint, files, heads
 from specjax.drafters import registry
 from specjax.models.loading import load_tokenizer
-from specjax.models.weights import CheckpointError
 from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
 
@@ -76,13 +76,14 @@ def make_optimizer(opt, steps: int) -> optax.GradientTransformation:
     )
 
 
+def target_path(config) -> Path:
+    """The target's specjax checkpoint: `config.target` if it is one, else its conversion (made on the first
+    run, at `config.target_checkpoint`; see `checkpoint.converted`)."""
+    return checkpoint.converted(config.target, config.target_checkpoint)
+
+
 def load_target(config, mesh: Mesh):
-    path = Path(config.target).absolute()
-    if not (path / checkpoint.MARKER).exists():
-        raise CheckpointError(
-            f"target checkpoint {path} not found (no {checkpoint.MARKER}): convert the target "
-            f"first, e.g. `python -m specjax.convert stories260K {config.target}`"
-        )
+    path = target_path(config)
     cfg, graphdef, params = checkpoint.restore_model(path, sharding=target_sharding(mesh))
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
@@ -197,7 +198,7 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
             f"config data.sample_len={d.sample_len} (+ BOS) exceeds the target's context of "
             f"{cfg.max_seq_len} tokens; pass --config.data.sample_len={cfg.max_seq_len - 1} or less"
         )
-    target_id = checkpoint.identity(Path(config.target).absolute(), cfg, target_params)
+    target_id = checkpoint.identity(target_path(config), cfg, target_params)
     meta = heads.describe(config.method, registry.trained(config.method).shape_of(config.heads), cfg)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False

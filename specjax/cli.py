@@ -1,0 +1,141 @@
+"""What every command-line entry point shares (run_decode.py, train_heads.py, `python -m specjax.convert`,
+`python -m specjax.verify_exactness`, the experiments): a user's mistake ends the program with one line on
+stderr, `error: <what is wrong>; <how to fix it>`, and a non-zero exit status, never a traceback; with the
+environment variable SPECJAX_DEBUG=1 the traceback is shown instead. User mistakes are specjax's typed errors
+(all ValueErrors), OSErrors (files), flag errors (an unknown flag, a value of the wrong type) and stray
+positional arguments.
+
+    from specjax import cli
+    if __name__ == "__main__":
+        cli.run(main)   # instead of absl's app.run(main)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from absl import app, flags, logging
+
+DEBUG = "SPECJAX_DEBUG"
+GREEDY_BELOW = 1e-5  # a positive temperature below this decodes greedily (with a warning)
+USER_ERRORS = (ValueError, OSError, flags.Error)
+
+
+class UsageError(ValueError):
+    """A command line that cannot work: stray arguments, flags that do not go together, a bad value."""
+
+
+def debug() -> bool:
+    return os.environ.get(DEBUG, "") not in ("", "0")
+
+
+def describe(err: BaseException) -> str:
+    """One line naming the problem: the error's message with its lines joined (an OSError of the system, which
+    names a file but no fix, says what to check; a flag error points to the flags' help)."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        text = f"{err.filename}: {err.strerror.lower()}; check the path and its permissions"
+    elif isinstance(err, flags.Error):
+        text = f"{str(err).rstrip('.')}; see --helpfull for the flags and their values"
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+def fail(message: str, status: int = 1) -> NoReturn:
+    """Ends the program with the one line `error: message` on stderr and exit status `status`."""
+    sys.stdout.flush()
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def guarded(main: Callable, errors: tuple = (), status: int = 1, positional: bool = False) -> Callable:
+    """`main(argv)` with user errors (USER_ERRORS + `errors`) ending as one line `error: ...` and exit status
+    `status` (SPECJAX_DEBUG=1: the traceback); positional arguments are refused unless `positional`."""
+
+    @functools.wraps(main)
+    def wrapper(argv=None, *args, **kwargs):
+        try:
+            if not positional and argv is not None and len(argv) > 1:
+                raise UsageError(
+                    f"unexpected argument{'s' if len(argv) > 2 else ''} {' '.join(map(repr, argv[1:]))}; "
+                    "this command takes only flags: write them as --name=value (quote values with spaces)"
+                )
+            return main(argv, *args, **kwargs)
+        except USER_ERRORS + tuple(errors) as err:
+            if debug():
+                raise
+            fail(describe(err), status)
+
+    return wrapper
+
+
+def parse_flags(
+    argv: list[str],
+    values: flags.FlagValues = flags.FLAGS,
+    status: int = 1,
+    check: Callable[[list[str]], None] | None = None,
+) -> list[str]:
+    """Parses `argv` into `values` from their defaults (absl's `flags_parser`), after `check(argv)` (which
+    raises what absl would not explain); a flag error is one line."""
+    try:
+        if check is not None:
+            check(argv)
+        values.unparse_flags()  # a re-run in one process starts from the defaults, as a fresh process does
+        return values(argv)
+    except Exception as err:  # flags, and config files loaded while parsing, raise many types
+        if debug():
+            raise
+        fail(describe(err), status)
+
+
+def run(
+    main: Callable,
+    errors: tuple = (),
+    status: int = 1,
+    positional: bool = False,
+    check: Callable[[list[str]], None] | None = None,
+) -> None:
+    """absl's `app.run(main)` with specjax's error handling (see `guarded` and `parse_flags`); may be called
+    again in one process (the flags are parsed afresh)."""
+    app.run(
+        guarded(main, errors, status, positional),
+        flags_parser=functools.partial(parse_flags, status=status, check=check),
+    )
+
+
+def sampler(temp: float, top_k: int = 0, top_p: float = 1.0):
+    """The Sampler of the flags --temperature (see `temperature`), --top_k and --top_p; a bad value is a
+    UsageError that says which values work."""
+    from specjax.sampling import Sampler
+
+    try:
+        return Sampler(temperature(temp), top_k, top_p)
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(f"{err}; pass --top_k >= 0 (0 = off) and --top_p in (0, 1] (1 = off)") from err
+
+
+def temperature(value: float, name: str = "--temperature") -> float:
+    """A sampling temperature as decoding uses it: not finite or negative is an error; a positive temperature
+    below GREEDY_BELOW decodes greedily (0) with a warning, because dividing logits by it overflows float32
+    (NaN probabilities) long before it means anything but argmax."""
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(
+            f"{name}={value} must be a finite number >= 0; pass 0 for greedy decoding or e.g. 0.8"
+        )
+    if 0 < value < GREEDY_BELOW:
+        logging.warning(
+            "%s=%g is below %g: decoding greedily (temperature 0); pass 0 to say so, or >= %g to sample",
+            name,
+            value,
+            GREEDY_BELOW,
+            GREEDY_BELOW,
+        )
+        return 0.0
+    return value

@@ -19,6 +19,7 @@ from specjax.decoding import GenerateSpec
 from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
+from specjax.models.quantize import parse_quantization, quantize_loaded
 from specjax.runner import decode_texts
 from specjax.trees import parse_tree
 
@@ -35,6 +36,12 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
+flags.DEFINE_string(
+    "quantize",
+    "",
+    "Quantise the target's weights: int8 (a scale per output channel), int4 (groups of 32) or int4:GROUP; "
+    "lossy against the float model (drafters are built from the float weights).",
+)
 flags.DEFINE_string(
     "drafter", "none", f"Draft source, one of {registry.names()}; none = plain AR decoding."
 )
@@ -144,9 +151,11 @@ def main(argv):
     prompts = read_prompts()
     rule = acceptance.get(FLAGS.acceptance)
     plan = drafter_plan()
+    quant = parse_quantization(FLAGS.quantize)
     model = load_model(FLAGS.model, FLAGS.dtype)
     spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule)
     drafter, drafter_params = make_drafter(model, sampler, plan)
+    model = quantize_loaded(model, quant)
     report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
     for prompt, text in zip(prompts, report.texts):
         print(f"--- {prompt!r}\n{prompt}{text}\n")
@@ -157,7 +166,7 @@ def main(argv):
         "| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n"
         "|---|---|---|---|---|---|---|---|"
     )
-    name = model.path.name
+    name = model.path.name + (f" {quant.describe()}, lossy vs float" if quant else "")
     for mode, r in runs:
         print(
             f"| {mode} | {name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "

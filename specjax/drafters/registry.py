@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-BUILTIN = ("draft_model", "medusa", "eagle", "ngram", "layer_skip", "lookahead", "retrieval")
+BUILTIN = ("draft_model", "medusa", "eagle", "ngram", "layer_skip", "lookahead", "retrieval", "quantized")
 
 
 @dataclasses.dataclass(frozen=True)

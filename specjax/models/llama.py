@@ -41,8 +41,12 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (n_out, n_in), dtype))
         self.bias = nnx.Param(jnp.zeros((n_out,), dtype)) if bias else None
 
+    def matrix(self):
+        """W [out, in] as the product reads it (`specjax.models.quantize.QLinear` dequantises its ints here)."""
+        return self.weight[...]
+
     def __call__(self, x):
-        w, rows = self.weight[...], int(np.prod(x.shape[:-1]))
+        w, rows = self.matrix(), int(np.prod(x.shape[:-1]))
         if 1 < rows <= GEMV_ROWS and jax.default_backend() == "cpu":
             flat = x.reshape(rows, x.shape[-1])
             y = jnp.stack([w @ row for row in flat]).reshape(*x.shape[:-1], w.shape[0])
@@ -153,8 +157,8 @@ class Llama(nnx.Module):
             if i in taps:
                 tapped.append(x)
         final = self.norm(x)
-        head = self.embed.embedding if self.lm_head is None else self.lm_head.weight  # [V, dim]
-        logits = jnp.einsum("btd,vd->btv", final, head[...])
+        head = self.embed.embedding[...] if self.lm_head is None else self.lm_head.matrix()  # [V, dim]
+        logits = jnp.einsum("btd,vd->btv", final, head)
         return logits.astype(jnp.float32), Hidden(final, tuple(tapped)), cache
 
 

@@ -11,6 +11,8 @@ def summarize(stats) -> dict:
     tau: tokens emitted per target verification pass, bonus included = sum(emitted) / sum(row_rounds).
     alpha_i: fraction of rounds in which draft position i was accepted given all before it were.
     hist: rounds by number of draft tokens accepted (0..K).
+    Counts are on emitted tokens: accepted drafts cut by EOS or max_new_tokens are not accepted (the first
+    of them is censored: neither accepted nor reached).
     draft_efficiency: accepted draft tokens / drafted tokens.
     """
     hist = np.asarray(stats.accepted_hist)

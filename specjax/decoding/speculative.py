@@ -27,20 +27,25 @@ class SpecStats:
     rounds: jax.Array  # [] loop iterations
     row_rounds: jax.Array  # [B] rounds in which the row was active (= target verification passes)
     emitted: jax.Array  # [B] tokens emitted by rounds (after EOS / max_new_tokens truncation)
-    accepted_hist: jax.Array  # [K+1] row-rounds by number of draft tokens accepted
+    accepted_hist: jax.Array  # [K+1] row-rounds by number of draft tokens accepted and emitted
+    censored_hist: jax.Array  # [K+1] of those, row-rounds whose next accepted draft was cut (EOS, limit)
 
     @classmethod
     def zeros(cls, batch: int, k: int) -> SpecStats:
         rows = jnp.zeros((batch,), jnp.int32)
-        return cls(jnp.int32(0), rows, rows, jnp.zeros((k + 1,), jnp.int32))
+        return cls(jnp.int32(0), rows, rows, jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k + 1,), jnp.int32))
 
     def record(self, active_B, n_emitted_B, n_accepted_B) -> SpecStats:
+        """Count only what was emitted: draft tokens accepted beyond an EOS or max_new_tokens are not
+        accepted tokens, and the first of them is censored (neither accepted nor rejected)."""
         count = active_B.astype(jnp.int32)
+        kept = jnp.minimum(n_accepted_B, n_emitted_B)
         return SpecStats(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + count,
             emitted=self.emitted + n_emitted_B,
-            accepted_hist=self.accepted_hist.at[n_accepted_B].add(count),
+            accepted_hist=self.accepted_hist.at[kept].add(count),
+            censored_hist=self.censored_hist.at[kept].add(count * (kept < n_accepted_B)),
         )
 
     @property
@@ -50,8 +55,9 @@ class SpecStats:
 
     @property
     def reached_at(self) -> jax.Array:
-        """[K] row-rounds in which all draft positions before i were accepted (at least i accepted)."""
-        return jnp.cumsum(self.accepted_hist[::-1])[::-1][:-1]
+        """[K] row-rounds in which all draft positions before i were accepted and position i was judged
+        (at least i accepted, position i not censored)."""
+        return (jnp.cumsum(self.accepted_hist[::-1])[::-1] - self.censored_hist)[:-1]
 
 
 @struct.dataclass

@@ -131,12 +131,6 @@ def make_drafter(target, sampler, plan):
     if plan is None:
         return None, None
     entry, settings, k, tree = plan
-    widest = getattr(tree, "top_k", None) or max((p[-1] + 1 for p in getattr(tree, "paths", ())), default=0)
-    if widest > target.cfg.vocab_size:
-        raise cli.UsageError(
-            f"--tree={FLAGS.tree} drafts {widest} candidates per node, more than the model's vocabulary of "
-            f"{target.cfg.vocab_size}; pass a narrower tree"
-        )
     return entry.build(target, settings, k, tree, sampler)
 
 

@@ -46,6 +46,11 @@ class Chain:
         return self.k + 1
 
     @property
+    def width(self) -> int:
+        """Candidates drafted per node at most (1 for a chain): no more than the vocabulary."""
+        return 1
+
+    @property
     def cache_slots(self) -> int:
         """Cache slots written past the sequence in one round (by the drafter or the verification)."""
         return self.k + 1
@@ -106,6 +111,11 @@ class Tree:
 
     def is_chain(self) -> bool:
         return all(p == (0,) * len(p) for p in self.paths)
+
+    @property
+    def width(self) -> int:
+        """Candidates drafted per node at most (1 for a chain): no more than the vocabulary."""
+        return max(p[-1] + 1 for p in self.paths)
 
     @property
     def cache_slots(self) -> int:
@@ -222,6 +232,11 @@ class DynamicTree:
     @property
     def reread(self) -> int:
         return self.depth + 1  # the drafter's cache keeps nothing of the tree
+
+    @property
+    def width(self) -> int:
+        """Candidates drafted per node at most (1 for a chain): no more than the vocabulary."""
+        return self.top_k
 
     @property
     def cache_slots(self) -> int:

@@ -160,3 +160,13 @@ def test_default_model_resolution(monkeypatch, tmp_path):
         r"karpathy/tinyllamas",
     ):
         resolve()
+
+
+def test_tree_wider_than_vocabulary():
+    from specjax.decoding import speculative_generate
+    from specjax.drafters.draft_model import DraftModel
+    from specjax.trees import balanced
+
+    wide = DraftModel(TINY, GRAPHDEF, 1, tree=balanced(TINY.vocab_size + 1, 1))
+    with pytest.raises(ValueError, match=f"drafts {TINY.vocab_size + 1} candidates per node, more than"):
+        speculative_generate(TINY, GRAPHDEF, PARAMS, wide, PARAMS, [[1, 2]], GenerateSpec(4))

@@ -90,6 +90,11 @@ def prepare_speculative(
     and the new tokens."""
     shape = drafter.shape
     drafter.validate(cfg)
+    if shape.width > cfg.vocab_size:
+        raise ValueError(
+            f"{shape.describe()} drafts {shape.width} candidates per node, more than the model's vocabulary "
+            f"of {cfg.vocab_size}; draft a narrower tree"
+        )
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
     width, slots = tokens.shape[1], shape.cache_slots
     need = width + spec.max_new_tokens + slots

@@ -118,7 +118,7 @@ def main(argv):
         (medusa, f"static {medusa_tree.size - 1} nodes", medusa_tree.depth, medusa_tree),
         (eagle, "chain K=5", 5, None),
         (eagle, f"static {eagle_tree.size - 1} nodes", eagle_tree.depth, eagle_tree),
-        (eagle, "dynamic 4,5,24", 4, DynamicTree(4, 5, 24)),
+        (eagle, "dynamic 4,5,24", 5, DynamicTree(4, 5, 24)),
         (eagle, "dynamic 8,6,48", 6, DynamicTree(8, 6, 48)),
     ]
     rows = []

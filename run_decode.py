@@ -15,7 +15,7 @@ import numpy as np
 from absl import flags, logging
 
 from specjax import acceptance, cli
-from specjax.decoding import GenerateSpec
+from specjax.decoding import AdaptiveK, GenerateSpec
 from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
 from specjax.models.loading import load_model
@@ -55,8 +55,14 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "acceptance", acceptance.DEFAULT, f"Acceptance rule, one of {sorted(acceptance.RULES)}."
 )
+flags.DEFINE_string(
+    "adaptive_k",
+    "",
+    "Choose each round's K on device among these chain lengths, e.g. 1,2,4,8, from the acceptance so far and "
+    "round costs timed before the loop (replaces --k).",
+)
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
-SPECULATIVE_FLAGS = {"k", "tree", "acceptance"}  # meaningful only with a drafter
+SPECULATIVE_FLAGS = {"k", "tree", "acceptance", "adaptive_k"}  # meaningful only with a drafter
 
 
 def define_drafter_flags() -> None:
@@ -118,8 +124,10 @@ def drafter_plan():
     if given - own - SPECULATIVE_FLAGS:
         stray = ", --".join(sorted(given - own - SPECULATIVE_FLAGS))
         raise cli.UsageError(f"--{stray} do not apply to --drafter={entry.name}; drop them")
-    tree = parse_tree(FLAGS.tree)
-    k = FLAGS.k if tree is None else tree.depth
+    tree, adaptive = parse_tree(FLAGS.tree), adaptive_k()
+    if adaptive and (tree or FLAGS["k"].present):
+        raise cli.UsageError("--adaptive_k chooses each round's K itself: drop --k and --tree")
+    k = adaptive.k_max if adaptive else FLAGS.k if tree is None else tree.depth
     if k < 1:
         raise cli.UsageError(f"--k={k} drafts nothing; pass --k=1 or more (draft tokens per round)")
     settings = entry.settings(**{name: FLAGS[name].value for name in own})
@@ -132,6 +140,10 @@ def make_drafter(target, sampler, plan):
         return None, None
     entry, settings, k, tree = plan
     return entry.build(target, settings, k, tree, sampler)
+
+
+def adaptive_k() -> AdaptiveK | None:
+    return AdaptiveK.parse(FLAGS.adaptive_k) if FLAGS.adaptive_k else None
 
 
 def main(argv):
@@ -147,7 +159,9 @@ def main(argv):
     plan = drafter_plan()
     quant = parse_quantization(FLAGS.quantize)
     model = load_model(FLAGS.model, FLAGS.dtype)
-    spec = GenerateSpec(FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule)
+    spec = GenerateSpec(
+        FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule, adaptive_k=adaptive_k()
+    )
     drafter, drafter_params = make_drafter(model, sampler, plan)
     model = quantize_loaded(model, quant)
     report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
@@ -170,6 +184,8 @@ def main(argv):
         stats = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *report.stats)  # add up the batches
         m = summarize(stats)
         shape = drafter.shape.describe()
+        if spec.adaptive_k:
+            shape = f"{spec.adaptive_k.describe()} (row-rounds by K {np.asarray(stats.k_hist).tolist()})"
         print(
             f"\n{shape}, acceptance {rule.name}: tau {m['tau']:.2f} tokens/pass, "
             f"draft efficiency {m['draft_efficiency']:.2f}, "

@@ -1,5 +1,6 @@
-"""Training-free drafters on stories260K: n-gram prompt lookup (chains, n ranges, trees) vs AR, side by side with
-transformers' prompt lookup on the same weights and prompts.
+"""Training-free drafters on stories260K: n-gram prompt lookup (chains, n ranges, trees), retrieval, lookahead,
+layer-skip and quantised self-drafts vs AR, side by side with transformers' prompt lookup on the same weights and
+prompts.
 
     .venv/bin/python -m experiments.bench_drafters [--repeats=5] [--hf_repeats=3] [--new_tokens=128] [--smoke]
 
@@ -12,13 +13,17 @@ on the same prompts: tokens/s and tau = new tokens / target forward passes (coun
 first pass reads the prompt and verifies a draft, specjax's prefill only emits the first token, so transformers'
 tau counts one more token over one more pass). transformers matches n-grams of length 1..max only, so its
 columns are given for the chains with min_ngram = 1. Both sides decode exactly `new_tokens` tokens, EOS
-included (specjax `eos_id=None`, transformers `eos_token_id=None`).
+included (specjax `eos_id=None`, transformers `eos_token_id=None`). Retrieval's datastore: no story corpus is
+available offline, so it holds `--corpus_tokens` tokens that stories260K itself sampled (T=1) from other openings
+(`corpus`); layer-skip runs the layers its `--layers=auto` search chose on stories260K (LAYER_SKIP).
 Writes results/bench_drafters.{md,csv} (--smoke: bench_drafters_smoke, a few tokens on 2 prompts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -29,8 +34,11 @@ from absl import flags, logging
 
 from experiments import common
 from specjax import cli
-from specjax.decoding import GenerateSpec, compile_decode
+from specjax.datastore import Datastore
+from specjax.decoding import GenerateSpec, compile_decode, generate
+from specjax.drafters import registry
 from specjax.drafters.ngram import NGram
+from specjax.drafters.retrieval import Retrieval
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 
@@ -44,6 +52,7 @@ flags.DEFINE_integer(
     1,
     "PyTorch threads (on 2 shared cores, 2 threads ran stories260K's generate ~10x slower).",
 )
+flags.DEFINE_integer("corpus_tokens", 65_536, "Tokens in the retrieval drafter's datastore.")
 flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, one setting, one repetition.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
 FLAGS = flags.FLAGS
@@ -74,31 +83,81 @@ STORIES = [
 # The story, then its first sentence again: the model retells it, reusing its names and phrases.
 GROUNDED = [s + "\n" + s.split(". ")[0] + "." for s in STORIES]
 CHAIN_DEFAULT = (1, 3)  # n range of the chains with K in 2, 4, 8
+LAYER_SKIP = (
+    "0-1,3-4"  # what `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4)
+)
 
 
-def settings(smoke: bool) -> list[NGram]:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    drafter: str  # registry name
+    setting: str
+    build: Callable  # (target, sampler) -> (drafter, params)
+    ngram: NGram | None = (
+        None  # the n-gram drafter (transformers' prompt lookup is compared with its chains)
+    )
+
+
+def ngram(d: NGram) -> Setting:
+    shape = f"chain K={d.k}" if d.tree is None else f"{d.branches} branches x K={d.k}"
+    return Setting("ngram", f"{shape}, n={d.min_ngram}..{d.max_ngram}", lambda *_: (d, None), d)
+
+
+def registered(name: str, setting: str, k: int, **settings) -> Setting:
+    entry = registry.get(name)
+    return Setting(
+        name,
+        setting,
+        lambda target, sampler: entry.build(target, entry.settings(**settings), k, None, sampler),
+    )
+
+
+def corpus(target, n_tokens: int) -> Datastore:
+    """A datastore of stories stories260K sampled itself (T=1, 256 tokens each) from openings that are not
+    benchmark prompts: the nearest to a story corpus available offline."""
+    openings = ["Once", "One day", "There was a", "The little", "In a small town", "A girl", "A boy", "Mom"]
+    prompts = [target.tokenizer.encode(t) for t in openings] * max(1, -(-n_tokens // (256 * len(openings))))
+    gen = generate(
+        target.cfg, target.graphdef, target.params, prompts, GenerateSpec(256, Sampler(1.0)), seed=7
+    )
+    rows = [np.asarray(t)[:n] for t, n in zip(gen.tokens, gen.lengths)]
+    return Datastore.from_tokens(np.concatenate(rows)[:n_tokens])
+
+
+def settings(target, smoke: bool) -> list[Setting]:
     if smoke:
-        return [NGram(2, *CHAIN_DEFAULT)]
+        return [ngram(NGram(2, *CHAIN_DEFAULT)), registered("quantized", "int8, chain K=2", 2, bits=8)]
     chains = [NGram(k, *CHAIN_DEFAULT) for k in (2, 4, 8)]
     ranges = [NGram(4, 1, 1), NGram(4, 2, 4), NGram(4, 1, 6)]
     trees = [NGram(4, 1, 3, branches=3), NGram(8, 1, 3, branches=2)]
-    return chains + ranges + trees
+    store = Retrieval.params(corpus(target, FLAGS.corpus_tokens))
+    retrieval = [
+        Setting("retrieval", f"{desc}, suffix 1..8", lambda *_, d=d: (d, store))
+        for desc, d in [("chain K=4", Retrieval(4)), ("3 branches x K=4", Retrieval(4, branches=3))]
+    ]
+    return [
+        *map(ngram, chains + ranges + trees),
+        *retrieval,
+        registered("lookahead", "W=5, N=4, G=5", 3, window=5, guesses=5),
+        registered("layer_skip", f"layers {LAYER_SKIP}, chain K=4", 4, layers=LAYER_SKIP),
+        registered("quantized", "int8 per channel, chain K=4", 4, bits=8),
+        registered("quantized", "int4 groups of 32, chain K=4", 4, bits=4, group_size=32),
+    ]
 
 
-def describe(d: NGram) -> str:
-    shape = f"chain K={d.k}" if d.tree is None else f"{d.branches} branches x K={d.k}"
-    return f"{shape}, n={d.min_ngram}..{d.max_ngram}"
-
-
-def spec_rows(target, prompts, grounded, spec, drafters) -> list[dict]:
-    """AR and every drafter on each prompt (batch 1, one padded width: one compile each), timed in turn."""
+def spec_rows(target, prompts, grounded, spec, settings) -> list[dict]:
+    """AR and every setting's drafter on each prompt (batch 1, one padded width: one compile each), timed in
+    turn."""
     cfg, graphdef, params = target.cfg, target.graphdef, target.params
     bucket = -(-max(map(len, prompts)) // 16) * 16
     runs = {"ar": compile_decode(cfg, graphdef, params, prompts[:1], spec, bucket=bucket)[0]}
-    for i, d in enumerate(drafters):
-        runs[i] = compile_decode(cfg, graphdef, params, prompts[:1], spec, d, None, bucket=bucket)[0]
+    depths = []
+    for i, setting in enumerate(settings):
+        d, dparams = setting.build(target, spec.sampler)
+        runs[i] = compile_decode(cfg, graphdef, params, prompts[:1], spec, d, dparams, bucket=bucket)[0]
+        depths.append(d.shape.depth)
     seconds = dict.fromkeys(runs, 0.0)
-    stats = {i: [] for i in range(len(drafters))}
+    stats = {i: [] for i in range(len(settings))}
     for p in prompts:
         fns = {name: (lambda r=run: jax.block_until_ready(r([p]))) for name, run in runs.items()}
         for name, t in common.interleaved_medians(fns, FLAGS.repeats).items():
@@ -108,7 +167,7 @@ def spec_rows(target, prompts, grounded, spec, drafters) -> list[dict]:
     n_tokens = len(prompts) * spec.max_new_tokens
     rows = [dict(drafter="none (AR)", setting="-", tau=1.0, tau_grounded=1.0, tau_free=1.0)]
     rows[0].update(draft_eff=np.nan, tok_s=n_tokens / seconds["ar"], speedup=1.0)
-    for i, d in enumerate(drafters):
+    for i, setting in enumerate(settings):
         tau = lambda rows: (
             sum(int(s.emitted.sum()) for s in rows) / sum(int(s.row_rounds.sum()) for s in rows)
         )
@@ -116,12 +175,12 @@ def spec_rows(target, prompts, grounded, spec, drafters) -> list[dict]:
         rounds = sum(int(s.row_rounds.sum()) for s in stats[i])
         rows.append(
             dict(
-                drafter="ngram",
-                setting=describe(d),
+                drafter=setting.drafter,
+                setting=setting.setting,
                 tau=tau(stats[i]),
                 tau_grounded=tau([s for s, g in zip(stats[i], grounded) if g]),
                 tau_free=tau([s for s, g in zip(stats[i], grounded) if not g]),
-                draft_eff=accepted / (rounds * d.k),
+                draft_eff=accepted / (rounds * depths[i]),
                 tok_s=n_tokens / seconds[i],
                 speedup=seconds["ar"] / seconds[i],
             )
@@ -173,16 +232,17 @@ def main(argv):
         texts = [texts[0], texts[-1]]
     prompts = [target.tokenizer.encode(t) for t, _ in texts]
     grounded = [g for _, g in texts]
-    drafters = settings(smoke)
+    drafters = settings(target, smoke)
     torch.set_num_threads(FLAGS.hf_threads)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval() if FLAGS.hf else None
     n, rows = FLAGS.new_tokens, []
     for temperature in map(float, FLAGS.temperatures):
         spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
         block = spec_rows(target, prompts, grounded, spec, drafters)
-        for row, d in zip(block, [None, *drafters]):
+        for row, setting in zip(block, [None, *drafters]):
+            d = setting and setting.ngram
             hf = (np.nan, np.nan)
-            if FLAGS.hf and (d is None or (d.tree is None and d.min_ngram == 1)):
+            if FLAGS.hf and (setting is None or (d and d.tree is None and d.min_ngram == 1)):
                 hf = hf_lookup(hf_model, prompts, n, temperature, d and d.k, d.max_ngram if d else 0)
             rows.append(
                 dict(
@@ -198,7 +258,7 @@ def main(argv):
             )
             print(rows[-1], flush=True)
     title = (
-        f"N-gram prompt lookup on stories260K vs AR and transformers {transformers.__version__} prompt lookup "
+        f"Training-free drafters on stories260K vs AR, and transformers {transformers.__version__} prompt lookup "
         f"(PyTorch {torch.__version__}): batch 1, {len(prompts)} prompts ({sum(grounded)} input-grounded) x {n} "
         f"new tokens, float32, CPU, medians of {FLAGS.repeats} (transformers {FLAGS.hf_repeats}); "
         "draft_eff = accepted / (rounds x depth); hf_tau = new tokens / target passes"

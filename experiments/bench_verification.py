@@ -3,6 +3,7 @@ token-wise rejection sampling vs block verification (both lossless) and typical 
 `typical_lossy`); on a static tree (`--tree`), token-wise tree sampling vs traversal verification (both lossless).
 
     .venv/bin/python -m experiments.bench_verification [--k=4] [--new_tokens=128] [--repeats=3] [--smoke]
+    .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_k=1,2,4,8  # adaptive K only
 
 Drafters come from the registry (the draft model: the target truncated to 3 layers, see SETTINGS; EAGLE and
 Medusa: the committed heads in heads/). Per drafter, temperature and rule:
@@ -15,12 +16,15 @@ Medusa: the committed heads in heads/). Per drafter, temperature and rule:
 - tok_s: new tokens / summed median decode time (rules timed in turn per prompt), and AR's in its own row,
 - tv_first: the exact total-variation distance, averaged over the same contexts, between the distribution of a
   round's first emitted token and the target's (`TypicalLossy.first_token_law`; 0 for the lossless rules).
-AR's row (tokens/s) is measured once per temperature. Writes results/bench_verification.{md,csv} (--smoke:
-bench_verification_smoke, Medusa at T=1 on 2 short prompts, a chain and a small tree).
+AR's row (tokens/s) is measured once per temperature. A second table (`bench_adaptive`) compares adaptive K with
+each fixed K and the best of them, chosen afterwards. Writes results/bench_verification.{md,csv} and
+results/bench_verification_adaptive.{md,csv} (--smoke: *_smoke, Medusa at T=1 on 2 short prompts, a chain and a
+small tree, adaptive K in {1, 2}).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -33,8 +37,9 @@ from experiments import common
 from specjax import acceptance, cli
 from specjax.acceptance.block import block_weights
 from specjax.acceptance.rejection import acceptance_probs
-from specjax.decoding import GenerateSpec, compile_decode
+from specjax.decoding import AdaptiveK, GenerateSpec, compile_decode, prepare_speculative
 from specjax.decoding.prefill import prefill
+from specjax.decoding.speculative import calibrate
 from specjax.drafters import registry
 from specjax.metrics import summarize
 from specjax.models.llama import forward
@@ -52,6 +57,15 @@ flags.DEFINE_list("rules", ["tokenwise", "block", "typical_lossy"], "Acceptance 
 flags.DEFINE_list("tree_rules", ["tokenwise", "traversal"], "Acceptance rules on the tree.")
 flags.DEFINE_string("tree", "balanced_2x3", "The static tree (see run_decode.py --tree); '' = chains only.")
 flags.DEFINE_integer("tree_draws", 64, "Runs of a tree rule per draft for E[tau].")
+flags.DEFINE_list(
+    "adaptive_k", ["1", "2", "4", "8"], "Adaptive K's draft lengths; empty: no adaptive table."
+)
+flags.DEFINE_list(
+    "adaptive_drafters",
+    ["draft_model", "eagle"],
+    "Drafters of the adaptive-K table (Medusa's committed heads draft at most 4 tokens); --drafters= "
+    "(empty) leaves only this table.",
+)
 flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
 )
@@ -182,12 +196,72 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     return rows
 
 
+def bench_adaptive(target, prompts, name, temperature, ks) -> list[dict]:
+    """Rows of each fixed K in `ks` and of adaptive K over them (chains, token-wise rule). Adaptive K's round
+    costs are calibrated on the first prompt before compiling (`costs`, relative to K = 1's); vs_best is the
+    median over repeats of the best fixed K's summed decode time over this row's (the best chosen afterwards by
+    median tokens/s), each repeat timing the runs in turn per prompt."""
+    cfg, graphdef, params = target.cfg, target.graphdef, target.params
+    sampler, n = Sampler(temperature), FLAGS.new_tokens
+    entry = registry.get(name)
+    drafter, dparams = entry.build(target, entry.settings(**SETTINGS.get(name, {})), ks[-1], None, sampler)
+    bucket = -(-max(map(len, prompts)) // 8) * 8
+    spec = GenerateSpec(n, sampler, eos_id=None)
+    job = dataclasses.replace(spec, adaptive_k=AdaptiveK(ks))
+    tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:1], job, bucket)
+    adaptive = calibrate(cfg, graphdef, params, drafter, dparams, tokens, lengths, job).adaptive_k
+    jobs = {f"K={k}": (drafter.with_k(k), spec) for k in ks}
+    jobs[adaptive.describe()] = (drafter, dataclasses.replace(spec, adaptive_k=adaptive))
+    runs = {
+        key: compile_decode(cfg, graphdef, params, prompts[:1], job_spec, job_drafter, dparams, bucket)[0]
+        for key, (job_drafter, job_spec) in jobs.items()
+    }
+    totals, stats = dict.fromkeys(runs, 0.0), {key: [] for key in runs}  # totals: [repeats] over prompts
+    for i, p in enumerate(prompts):
+        fns = {key: (lambda r=run: jax.block_until_ready(r([p], i))) for key, run in runs.items()}
+        for key, times in common.interleaved_times(fns, FLAGS.repeats).items():
+            totals[key] = totals[key] + np.array(times)
+            stats[key].append(jax.block_until_ready(runs[key]([p], i)).stats)
+    best = min((key for key in runs if key.startswith("K=")), key=lambda key: np.median(totals[key]))
+    costs = " ".join(f"{c / adaptive.costs[0]:.2f}" for c in adaptive.costs)
+    rows = []
+    for key in runs:
+        total = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats[key])
+        row = dict(drafter=name, T=temperature, draft=key, tau=summarize(total)["tau"])
+        row |= dict(tok_s=len(prompts) * n / np.median(totals[key]), best_fixed=best)
+        row |= dict(vs_best=float(np.median(totals[best] / totals[key])))
+        k_hist = np.asarray(total.k_hist)
+        row["rounds_by_k"] = " ".join(f"{k}:{k_hist[k]}" for k in ks if k < len(k_hist) and k_hist[k])
+        row["costs"] = costs if key == adaptive.describe() else ""
+        rows.append(row)
+    return rows
+
+
+def adaptive_table(target, prompts) -> str:
+    """The adaptive-K table for --adaptive_drafters at --temperatures, written to results/."""
+    ks = tuple(int(k) for k in FLAGS.adaptive_k)
+    rows = []
+    for temperature in map(float, FLAGS.temperatures):
+        for name in FLAGS.adaptive_drafters:
+            for row in bench_adaptive(target, prompts, name, temperature, ks):
+                rows.append(row)
+                print(row, flush=True)
+    title = (
+        f"{AdaptiveK(ks).describe().capitalize()} vs each fixed K on stories260K (chains, token-wise rule; "
+        "adaptive is told no K: its round costs are timed before the loop, costs relative to K=1), batch 1, "
+        f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}"
+    )
+    name = "bench_verification_adaptive" + ("_smoke" if FLAGS.smoke else "")
+    return common.write_table(name, rows, title)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     if FLAGS.smoke:
         FLAGS.new_tokens, FLAGS.repeats, FLAGS.contexts_every, FLAGS.tree_draws = 16, 1, 4, 8
         FLAGS.temperatures, FLAGS.drafters, FLAGS.tree = ["1.0"], ["medusa"], "0;1;0,0"
+        FLAGS.adaptive_k, FLAGS.adaptive_drafters = ["1", "2"], ["medusa"]
     common.RESULTS = Path(FLAGS.results)  # where write_table writes
     if "tokenwise" not in FLAGS.rules or (FLAGS.tree and "tokenwise" not in FLAGS.tree_rules):
         raise cli.UsageError(
@@ -213,9 +287,11 @@ def main(argv):
         f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}; "
         "tau measured by decoding, e_tau_same_drafts the expectation of each rule on the same drafts"
     )
-    print(
-        common.write_table("bench_verification_smoke" if FLAGS.smoke else "bench_verification", rows, title)
-    )
+    if rows:
+        name = "bench_verification_smoke" if FLAGS.smoke else "bench_verification"
+        print(common.write_table(name, rows, title))
+    if FLAGS.adaptive_k:
+        print(adaptive_table(target, prompts))
 
 
 if __name__ == "__main__":

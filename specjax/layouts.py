@@ -34,6 +34,9 @@ class Verification:
     accepted_tokens: jax.Array  # [B, D] the kept draft tokens first (D = draft depth)
     path: jax.Array  # [B, D] the kept draft nodes by depth (a chain's node i is token i - 1), 0 padded
     features: jax.Array  # [B, D + 1, H] target features at the pending token, then along `path`
+    feedback: object = (
+        None  # what a drafter's own layout tells its `commit` (lookahead: the window's argmax)
+    )
 
 
 @struct.dataclass

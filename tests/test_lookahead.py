@@ -2,7 +2,6 @@
 model and stories260K; a repetitive prompt accepts long drafts; bad settings fail before compile."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
@@ -13,8 +12,6 @@ from specjax.drafters import registry
 from specjax.drafters.lookahead import (
     Lookahead,
     LookaheadError,
-    attach,
-    detach,
     guesses,
     jacobi_step,
     lookahead_arrays,
@@ -81,15 +78,6 @@ def test_window_mask_and_jacobi_step():
         for j in range(w):  # column j's trajectory closed by the last level's argmax
             assert grams[b, j].tolist() == [*window[b, :, j], argmax[b, -1, j]]
     assert new[:, :-1].tolist() == window[:, 1:].tolist() and new[:, -1].tolist() == argmax[:, -1].tolist()
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attach_detach_round_trip(dtype):
-    feats = jnp.ones((2, 3, 5), dtype)
-    tokens = jnp.array([[0, 1, 31999, 2**24 - 1], [7, 65535, 65536, 12]], jnp.int32)
-    packed = jnp.pad(attach(feats, tokens), ((0, 0), (0, 2), (0, 0)))  # the loop may pad the depth axis
-    assert packed[:, :3, :5].tolist() == feats.tolist()
-    assert detach(packed, 4).tolist() == tokens.tolist()
 
 
 GREEDY = {

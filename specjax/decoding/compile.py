@@ -6,7 +6,7 @@ import time
 
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
-from specjax.decoding.speculative import speculative_compiled
+from specjax.decoding.speculative import calibrate, speculative_compiled
 from specjax.models.config import LlamaConfig
 
 
@@ -33,6 +33,8 @@ def compile_decode(
         dynamic = dict(params=params, drafter_params=drafter_params)
     tokens, lengths, full_spec = prep(prompts)
     start = time.perf_counter()
+    if drafter is not None:  # adaptive K without costs: time a few rounds per K (counted as compile time)
+        full_spec = calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, full_spec)
     lowered = fn.lower(
         **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
     )

@@ -9,8 +9,10 @@ import numpy as np
 
 from specjax.acceptance import AcceptanceRule
 from specjax.acceptance.rejection import TokenWise
+from specjax.decoding.adaptive import AdaptiveK
 from specjax.models.config import LlamaConfig
 from specjax.sampling import Sampler
+from specjax.trees import Chain
 
 CACHE_BUCKET = 64
 
@@ -24,6 +26,7 @@ class GenerateSpec:
     cache_size: int = 0  # 0: smallest bucket that fits the prompts + max_new_tokens (+ a round's slots)
     eos_id: int | None = 2  # None: never stop early
     acceptance: AcceptanceRule = TokenWise()  # speculative decoding's rule (`specjax.acceptance.get`)
+    adaptive_k: AdaptiveK | None = None  # choose each round's K on device (a chain drafter of the largest)
 
     @property
     def stop_id(self) -> int:
@@ -87,7 +90,7 @@ def prepare_speculative(
 ):
     """Validates a speculative job before any compile; the cache gets the slots one round writes past the
     sequence (`drafter.shape.cache_slots`: K + 1 for a chain, the node count for a tree) beyond the prompt
-    and the new tokens."""
+    and the new tokens (adaptive K: the drafter is built for the largest K)."""
     shape = drafter.shape
     drafter.validate(cfg)
     if shape.width > cfg.vocab_size:
@@ -95,6 +98,8 @@ def prepare_speculative(
             f"{shape.describe()} drafts {shape.width} candidates per node, more than the model's vocabulary "
             f"of {cfg.vocab_size}; draft a narrower tree"
         )
+    if spec.adaptive_k is not None:
+        check_adaptive(drafter, spec.adaptive_k)
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
     width, slots = tokens.shape[1], shape.cache_slots
     need = width + spec.max_new_tokens + slots
@@ -106,3 +111,18 @@ def prepare_speculative(
         )
     size = spec.cache_size or -(-need // CACHE_BUCKET) * CACHE_BUCKET
     return tokens, lengths, dataclasses.replace(spec, cache_size=size)
+
+
+def check_adaptive(drafter, adaptive: AdaptiveK) -> None:
+    """Adaptive K drafts chains with `drafter.with_k(K)` for each K, sharing the state of the drafter built for
+    the largest K; raises before any compile if `drafter` cannot."""
+    if not hasattr(drafter, "with_k"):
+        raise ValueError(
+            f"{type(drafter).__name__} cannot change its draft length per round (no `with_k`); "
+            "drop adaptive K or use a drafter that has it (draft_model, eagle, medusa)"
+        )
+    if drafter.shape != Chain(adaptive.k_max):
+        raise ValueError(
+            f"{adaptive.describe()} drafts chains: build the drafter as a chain of the largest K "
+            f"(k={adaptive.k_max}), not {drafter.shape.describe()}"
+        )

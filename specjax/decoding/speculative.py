@@ -7,10 +7,13 @@ target's cache and the statistics (`commit`), and the drafter is told (`Drafter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
@@ -22,42 +25,56 @@ from specjax.models.llama import forward
 
 @struct.dataclass
 class SpecStats:
-    """Accumulated on device; see `specjax.metrics` for what is derived from them."""
+    """Accumulated on device; see `specjax.metrics` for what is derived from them. Acceptance counts are on
+    what was emitted: draft tokens accepted beyond an EOS or max_new_tokens are not accepted, and the first
+    of them is censored (neither accepted nor rejected)."""
 
     rounds: jax.Array  # [] loop iterations
     row_rounds: jax.Array  # [B] rounds in which the row was active (= target verification passes)
     emitted: jax.Array  # [B] tokens emitted by rounds (after EOS / max_new_tokens truncation)
-    accepted_hist: jax.Array  # [K+1] row-rounds by number of draft tokens accepted and emitted
-    censored_hist: jax.Array  # [K+1] of those, row-rounds whose next accepted draft was cut (EOS, limit)
+    depth_accepted: jax.Array  # [D+1, D+1] row-rounds by (the round's draft depth, draft tokens accepted)
+    censored_hist: jax.Array  # [D+1] row-rounds by draft tokens accepted, whose next accepted one was cut
 
     @classmethod
-    def zeros(cls, batch: int, k: int) -> SpecStats:
+    def zeros(cls, batch: int, depth: int) -> SpecStats:
         rows = jnp.zeros((batch,), jnp.int32)
-        return cls(jnp.int32(0), rows, rows, jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k + 1,), jnp.int32))
+        hist = jnp.zeros((depth + 1,), jnp.int32)
+        return cls(jnp.int32(0), rows, rows, jnp.zeros((depth + 1, depth + 1), jnp.int32), hist)
 
-    def record(self, active_B, n_emitted_B, n_accepted_B) -> SpecStats:
-        """Count only what was emitted: draft tokens accepted beyond an EOS or max_new_tokens are not
-        accepted tokens, and the first of them is censored (neither accepted nor rejected)."""
+    def record(self, active_B, n_emitted_B, n_accepted_B, depth: int) -> SpecStats:
         count = active_B.astype(jnp.int32)
         kept = jnp.minimum(n_accepted_B, n_emitted_B)
         return SpecStats(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + count,
             emitted=self.emitted + n_emitted_B,
-            accepted_hist=self.accepted_hist.at[kept].add(count),
+            depth_accepted=self.depth_accepted.at[depth, kept].add(count),
             censored_hist=self.censored_hist.at[kept].add(count * (kept < n_accepted_B)),
         )
 
     @property
+    def accepted_hist(self) -> jax.Array:
+        """[D+1] row-rounds by number of draft tokens accepted."""
+        return self.depth_accepted.sum(0)
+
+    @property
+    def k_hist(self) -> jax.Array:
+        """[D+1] row-rounds by draft depth: all at the drafter's K (or tree depth) but with adaptive K."""
+        return self.depth_accepted.sum(1)
+
+    @property
     def accepted_at(self) -> jax.Array:
-        """[K] row-rounds in which draft position i was accepted (more than i tokens accepted)."""
+        """[D] row-rounds in which draft position i was accepted (more than i tokens accepted)."""
         return jnp.cumsum(self.accepted_hist[::-1])[::-1][1:]
 
     @property
     def reached_at(self) -> jax.Array:
-        """[K] row-rounds in which all draft positions before i were accepted and position i was judged
-        (at least i accepted, position i not censored)."""
-        return (jnp.cumsum(self.accepted_hist[::-1])[::-1] - self.censored_hist)[:-1]
+        """[D] row-rounds in which draft position i was proposed, all positions before it accepted, and it
+        was judged (not censored)."""
+        at_least = jnp.cumsum(self.depth_accepted[:, ::-1], axis=1)[:, ::-1][:, :-1]  # [depth, i]: n >= i
+        depth = jnp.arange(at_least.shape[0])[:, None]
+        proposed = jnp.sum(jnp.where(depth > jnp.arange(at_least.shape[1])[None], at_least, 0), axis=0)
+        return proposed - self.censored_hist[:-1]
 
 
 @struct.dataclass
@@ -75,6 +92,7 @@ class LoopState:
     cache: object  # the target's
     drafter_state: object
     stats: SpecStats
+    estimate: object  # adaptive K's `Estimate` (`AdaptiveK.zeros`), else a placeholder []
 
 
 def verify(graphdef, params, spec: GenerateSpec, draft: Draft, pending_B, cache, key):
@@ -107,7 +125,7 @@ def commit(loop: LoopState, layout, verdict: Verification, cache, spec: Generate
         n_tokens_B=n_tokens,
         done_B=loop.done_B | (is_eos.any(1) & active) | (n_tokens >= limit_B),
         cache=layout.commit(cache, loop.cache.length, verdict, active),
-        stats=loop.stats.record(active, n_emit, n_acc),
+        stats=loop.stats.record(active, n_emit, n_acc, verdict.path.shape[1]),
     )
 
 
@@ -120,15 +138,49 @@ def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: Loo
     )
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
     verdict, cache = verify(graphdef, params, spec, draft, pending, loop.cache, k_accept)
+    active, depth = ~loop.done_B, verdict.path.shape[1]
     loop = commit(loop, draft.layout, verdict, cache, spec, limit_B)
+    if spec.adaptive_k is not None:
+        loop = loop.replace(
+            estimate=spec.adaptive_k.observe(loop.estimate, depth, verdict.n_accepted, active)
+        )
+    pad = ((0, 0), (0, loop.stats.depth_accepted.shape[0] - 1 - depth))  # to the largest K's depth
+    path, feats = jnp.pad(verdict.path, pad), jnp.pad(verdict.features, pad + ((0, 0),))
+    feedback = {} if verdict.feedback is None else {"feedback": verdict.feedback}
     drafter_state = drafter.commit(
-        drafter_params, drafter_state, verdict.n_accepted, loop.n_tokens_B, verdict.path, verdict.features
+        drafter_params, drafter_state, verdict.n_accepted, loop.n_tokens_B, path, feats, **feedback
     )
     return loop.replace(drafter_state=drafter_state)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
-def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+def adaptive_rounds(
+    graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, go_on, choose
+):
+    """Rounds while `go_on(loop)`, each drafting the K in `spec.adaptive_k.ks` at index `choose(loop)`: one compiled
+    round per K (`drafter.with_k`), all sharing the loop state, each in a `lax.while_loop` that runs while the
+    choice stays its K (a round costs one test of the choice, not one per K). Loops, not the branches of a
+    `lax.switch`: XLA copied the caches into every branch but the first (rounds a third slower on stories260K),
+    while a loop updates its carry in place."""
+
+    def rounds_at(i: int, k: int):
+        one = functools.partial(
+            speculative_round, graphdef, params, drafter.with_k(k), drafter_params, spec
+        )
+        stay = lambda lp: go_on(lp) & (choose(lp) == i)
+        return lambda lp: jax.lax.while_loop(stay, lambda lp: one(lp, limit_B, keys), lp)
+
+    def each_k(lp):  # each K in turn, for as long as it is chosen
+        for run in runs:
+            lp = run(lp)
+        return lp
+
+    runs = [rounds_at(i, k) for i, k in enumerate(spec.adaptive_k.ks)]
+    return jax.lax.while_loop(go_on, each_k, loop)
+
+
+def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+    """Prefill of target and drafter and the first token: (LoopState, each row's token limit [B], each round's
+    keys [max_new_tokens, 2])."""
     batch, width = tokens_BP.shape
     n_new = spec.max_new_tokens
     logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
@@ -144,19 +196,69 @@ def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_
         cache=cache,
         drafter_state=drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats),
         stats=SpecStats.zeros(batch, drafter.shape.depth),
+        estimate=jnp.zeros(()) if spec.adaptive_k is None else spec.adaptive_k.zeros(),
     )
-    limit = lengths_B + n_new
-    loop = jax.lax.while_loop(
-        lambda lp: ~jnp.all(lp.done_B),
-        lambda lp: speculative_round(
+    return loop, lengths_B + n_new, round_keys
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
+def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+    loop, limit, round_keys = start(
+        cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec
+    )
+    go_on = lambda lp: ~jnp.all(lp.done_B)
+    if spec.adaptive_k is None:
+        one = lambda lp: speculative_round(
             graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys
-        ),
-        loop,
-    )
+        )
+        loop = jax.lax.while_loop(go_on, one, loop)
+    else:
+        choose = lambda lp: spec.adaptive_k.choose(lp.estimate)
+        args = (graphdef, params, drafter, drafter_params, spec, loop, limit, round_keys)
+        loop = adaptive_rounds(*args, go_on, choose)
+    n_new = spec.max_new_tokens
     out = jnp.take_along_axis(loop.seq_BS, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens_B - lengths_B
     out = jnp.where(jnp.arange(n_new)[None] < n_out[:, None], out, 0)
     return SpecGeneration(out, n_out, loop.stats)
+
+
+_start = jax.jit(start, static_argnames=("cfg", "graphdef", "drafter", "spec"))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "spec"))
+def _timed_rounds(graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys, index, rounds):
+    go_on = lambda lp: lp.stats.rounds < rounds
+    args = (graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys)
+    return adaptive_rounds(*args, go_on, lambda lp: index).n_tokens_B
+
+
+def calibrate(
+    cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, spec, rounds=32, repeats=9
+):
+    """`spec` with adaptive K's round costs measured, unless given: per K, the median over `repeats` of the time
+    of `rounds` rounds from the start of this job less the time of a call running none (the call's overhead),
+    divided by `rounds`. One compiled function, the K and the number of rounds its arguments."""
+    adaptive = spec.adaptive_k
+    if adaptive is None or adaptive.costs is not None:
+        return spec
+    loop, limit, keys = _start(
+        cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, job_key(0), spec
+    )
+    args = (graphdef, params, drafter, drafter_params, spec, loop, limit, keys)
+
+    def seconds(index: int, n: int) -> float:
+        begin = time.perf_counter()
+        jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
+        return time.perf_counter() - begin
+
+    seconds(0, rounds)  # compiles
+    per_round = [[] for _ in adaptive.ks]
+    for _ in range(repeats):  # each K in turn: a drifting machine speed reaches all alike
+        for i, t in enumerate(per_round):
+            t.append((seconds(i, rounds) - seconds(i, 0)) / rounds)
+    costs = tuple(max(float(np.median(t)), 1e-9) for t in per_round)
+    return dataclasses.replace(spec, adaptive_k=dataclasses.replace(adaptive, costs=costs))
 
 
 def speculative_generate(
@@ -170,8 +272,9 @@ def speculative_generate(
     seed: int = 0,
 ) -> SpecGeneration:
     """Speculative decoding of a batch of prompts: same output distribution as `generate` (greedy: same
-    tokens) for a lossless acceptance rule."""
+    tokens) for a lossless acceptance rule. Adaptive K without costs first times a few rounds per K."""
     tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
+    spec = calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, spec)
     return speculative_compiled(
         cfg, graphdef, params, drafter, drafter_params, tokens, lengths, job_key(seed), spec
     )

@@ -8,6 +8,7 @@ tells the drafter what happened with `commit`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import jax
@@ -40,7 +41,14 @@ class Drafter(Protocol):
         """State after verification: `n_accepted_B` draft tokens were kept (nodes `path_BD`, by depth; a
         chain's node i is its token i - 1) and the sequence now has `n_tokens_B` tokens (the last pending).
         `feats_BDH[:, j]` is the target's feature at the round's pending token (j = 0), then at the
-        j-th accepted draft token: the last valid one (j = n_accepted) predicted the new pending token."""
+        j-th accepted draft token: the last valid one (j = n_accepted) predicted the new pending token.
+        A drafter whose draft layout sets `Verification.feedback` (lookahead) receives it as the keyword
+        argument `feedback`."""
+
+    # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
+    # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
+    # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and a round drafts at least as
+    # many tokens as a row accepted in the round before.
 
 
 class KOrTree:
@@ -53,6 +61,10 @@ class KOrTree:
     @property
     def shape(self):
         return Chain(self.k) if self.tree is None else self.tree
+
+    def with_k(self, k: int):
+        """This drafter drafting chains of `k` tokens (adaptive K: one compiled round per K)."""
+        return dataclasses.replace(self, k=k, tree=None)
 
 
 def target_io(target_cfg, target_params) -> dict:

@@ -113,14 +113,14 @@ class Eagle(KOrTree):
 
     def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
         # Re-read the last round with true features: slots committed .. n_tokens - 2 hold (token i + 1, feature i).
-        w = self.k + 1
+        w = self.k + 1  # the last round accepted at most K (adaptive K: the state is the largest K's)
         positions = state.committed[:, None] + jnp.arange(w)[None]
         tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
         logits, feats, cache = eagle_apply(
             self.graphdef,
             params,
             tokens,
-            state.feats,
+            state.feats[:, :w],
             positions,
             state.cache.with_length(state.committed),
             causal_mask(w),

@@ -21,8 +21,7 @@ insertion, is skipped; the oldest entry is overwritten). The window starts from 
 The lookahead branch never changes what is accepted (its tokens are masked off the verification branch),
 and guesses are deterministic (`q_probs=None`): exact with any sampler and any lossless tree rule.
 
-The window's argmax reaches `commit` appended to `Verification.features` (`attach` / `detach`), the one
-array the loop hands `Drafter.commit` unread: a stopgap until the protocol names a drafter's own feedback.
+The window's argmax reaches `commit` as `Verification.feedback`.
 """
 
 from __future__ import annotations
@@ -108,23 +107,6 @@ def lookahead_arrays(w: int, n: int, g: int):
     return np.concatenate([tree.depth, 1 + col + lvl]).astype(np.int32), mask
 
 
-def attach(feats_BDH, tokens_BM):
-    """`feats_BDH` with `tokens_BM` (ids < 2^24) appended to every row's last axis as three base-256 digits
-    (exact in any float dtype, no NaN bit patterns): [B, D + 1, H + 3M]. The loop hands `features` to
-    `Drafter.commit` unread (it may pad axis 1), so the window's argmax travels there; `detach` undoes it."""
-    digits = (tokens_BM[..., None] >> jnp.array([0, 8, 16])) & 255
-    digits = digits.reshape(tokens_BM.shape[0], 1, -1).astype(feats_BDH.dtype)
-    return jnp.concatenate(
-        [feats_BDH, jnp.broadcast_to(digits, feats_BDH.shape[:2] + digits.shape[2:])], -1
-    )
-
-
-def detach(feats_BDH, m: int):
-    """The `m` tokens that `attach` appended, [B, m] int32."""
-    digits = feats_BDH[:, 0, feats_BDH.shape[-1] - 3 * m :].astype(jnp.int32).reshape(-1, m, 3)
-    return jnp.sum(digits << jnp.array([0, 8, 16]), axis=-1)
-
-
 @struct.dataclass
 class LookaheadLayout:
     """The verification tree (G chains) followed by the Jacobi window in one pass."""
@@ -149,7 +131,7 @@ class LookaheadLayout:
         guess = Draft(draft.tokens[:, : v - 1], None, self.tree)
         verdict = self.tree.accept(rule, key, sampler, guess, logits_BTV[:, :v], feats_BTH[:, :v])
         argmax = jnp.argmax(logits_BTV[:, v:], axis=-1).astype(jnp.int32)
-        return verdict.replace(features=attach(verdict.features, argmax))
+        return verdict.replace(feedback=argmax)
 
     def commit(self, cache, committed_B, verdict, active_B):
         """The accepted guess path gathered into the committed region; the window's slots are dropped."""
@@ -202,11 +184,7 @@ class Lookahead:
         return LookaheadShape(self.w, self.n, self.g)
 
     def validate(self, target_cfg) -> None:
-        """Guesses are the target's own tokens; the window's argmax travels as 3 base-256 digits (`attach`)."""
-        if target_cfg.vocab_size > 2**24:
-            raise LookaheadError(
-                f"lookahead supports vocabularies up to 2^24 tokens, got {target_cfg.vocab_size}; use another drafter"
-            )
+        """Any target: guesses and the window are the target's own tokens."""
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH=None):
         batch, width = tokens_BP.shape
@@ -233,9 +211,9 @@ class Lookahead:
         tokens = [chains.swapaxes(1, 2).reshape(batch, -1), state.window_BLW.reshape(batch, -1)]
         return Draft(jnp.concatenate(tokens, axis=1), None, self.shape.layout(batch)), state
 
-    def commit(self, params, state: LookaheadState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
-        argmax = detach(feats_BDH, state.window_BLW.shape[1] * self.w).reshape(state.window_BLW.shape)
-        grams, window = jacobi_step(state.window_BLW, argmax)
+    def commit(self, params, state: LookaheadState, n_accepted_B, n_tokens_B, path_BD, feats_BDH, feedback):
+        """`feedback`: the target's argmax over the window, [B, (N - 1) W] (`LookaheadLayout.accept`)."""
+        grams, window = jacobi_step(state.window_BLW, feedback.reshape(state.window_BLW.shape))
         valid = jnp.ones(grams.shape[:2], bool)
         pool, stamp, clock = pool_insert(state.pool_BCN, state.stamp_BC, state.clock_B, grams, valid)
         return state.replace(pool_BCN=pool, stamp_BC=stamp, clock_B=clock, window_BLW=window)
@@ -256,6 +234,11 @@ class LookaheadShape:
     @property
     def size(self) -> int:
         return 1 + (self.g + self.w) * (self.n - 1)
+
+    @property
+    def width(self) -> int:
+        """The G guesses hang under the pending token."""
+        return self.g
 
     @property
     def cache_slots(self) -> int:

@@ -1,0 +1,118 @@
+"""Adaptive draft length: each round's K is chosen on device, inside the compiled loop, among a few static Ks.
+
+The loop compiles one round per K in `ks` (`speculative.adaptive_round`; the caches and statistics are sized for
+the largest K) and picks one from data: the per-position acceptance rates measured so far and the measured cost
+of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.analysis import expected_tokens_by_position
+
+
+@struct.dataclass
+class Estimate:
+    """What adaptive K knows on device after the rounds so far."""
+
+    counts_2K: jax.Array  # EMAs of row-rounds (per row) that accepted / proposed draft position i < K_max
+    floor: jax.Array  # [] the most draft tokens a row accepted last round
+    choice: jax.Array  # [] index into `ks` of the next round's K
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveK:
+    """Per round, the K in `ks` maximising E[tokens per round](alpha, K) / costs[K].
+
+    costs: per K, the time of one round (draft + verify + commit, any unit: only ratios matter). None: measured
+      once before the loop by `specjax.decoding.speculative.calibrate` (a few timed rounds per K on the job's
+      prompts); for Leviathan et al.'s model pass K c + v (c: draft step / target step, v: verify cost).
+    alpha_i, the acceptance of draft position i given all before it were, is an exponential moving average over
+      rounds (`decay` per round) of the batch's row-rounds (per row) that accepted position i over those that
+      proposed it with all before it accepted, plus `prior_weight` pseudo row-rounds at the pooled rate of all
+      positions (a position never proposed takes it: the i.i.d. model of `specjax.analysis`).
+    A round drafts at least as many tokens as a row accepted in the round before (the smallest K in `ks` that
+    covers them), so a drafter may size its re-reading by this round's K (EAGLE re-reads K + 1 tokens)."""
+
+    ks: tuple[int, ...] = (1, 2, 4, 8)
+    costs: tuple[float, ...] | None = None
+    decay: float = 0.9
+    prior: float = 0.6
+    prior_weight: float = 0.5
+
+    def __post_init__(self):
+        ks = tuple(self.ks)
+        if not ks or any(not isinstance(k, int) or k < 1 for k in ks) or list(ks) != sorted(set(ks)):
+            raise ValueError(
+                f"adaptive K needs increasing distinct integers >= 1, e.g. 1,2,4,8; got {list(ks)}"
+            )
+        object.__setattr__(self, "ks", ks)
+        if self.costs is not None:
+            costs = tuple(float(c) for c in self.costs)
+            if len(costs) != len(ks) or min(costs) <= 0:
+                raise ValueError(f"adaptive K needs one positive round cost per K in {ks}; got {costs}")
+            object.__setattr__(self, "costs", costs)
+        if not (0 <= self.decay < 1 and 0 < self.prior < 1 and self.prior_weight > 0):
+            raise ValueError(
+                "adaptive K needs 0 <= decay < 1, 0 < prior < 1 and prior_weight > 0; got "
+                f"decay={self.decay}, prior={self.prior}, prior_weight={self.prior_weight}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | list[str]) -> AdaptiveK:
+        """From '1,2,4,8' (or a list of strings, as absl's list flags give)."""
+        parts = text.split(",") if isinstance(text, str) else text
+        try:
+            return cls(tuple(int(p) for p in parts))
+        except ValueError as err:
+            if "adaptive K" in str(err):
+                raise
+            raise ValueError(f"cannot read adaptive K {text!r}: give draft lengths like 1,2,4,8") from err
+
+    @property
+    def k_max(self) -> int:
+        return self.ks[-1]
+
+    def describe(self) -> str:
+        return f"adaptive K in {{{', '.join(map(str, self.ks))}}}"
+
+    def zeros(self) -> Estimate:
+        """The estimate before any round."""
+        counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
+        return Estimate(counts_2K, jnp.int32(0), self.pick(counts_2K, jnp.int32(0)))
+
+    def alpha(self, estimate_2K):
+        """[K_max] the per-position acceptance estimate: each position's counts plus `prior_weight` pseudo
+        row-rounds at the rate of all positions pooled (itself shrunk towards `prior`)."""
+        accepted, proposed = estimate_2K
+        w = self.prior_weight
+        pooled = (accepted.sum() + w * self.prior) / (proposed.sum() + w)
+        return (accepted + w * pooled) / (proposed + w)
+
+    def pick(self, counts_2K, floor):
+        """[] index into `ks` of the best K (the smaller on ties) that is at least `floor` (0 without costs)."""
+        if self.costs is None:  # calibrating: the caller chooses
+            return jnp.int32(0)
+        gain = expected_tokens_by_position(self.alpha(counts_2K))[jnp.asarray(self.ks) - 1]
+        lowest = jnp.sum(jnp.asarray(self.ks) < floor)  # the first K >= floor
+        return jnp.maximum(jnp.argmax(gain / jnp.asarray(self.costs)), lowest).astype(jnp.int32)
+
+    def choose(self, estimate: Estimate):
+        """[] index into `ks` of this round's K, picked when the round before was observed."""
+        return estimate.choice
+
+    def observe(self, estimate: Estimate, k: int, n_accepted_B, active_B) -> Estimate:
+        """The estimate after a round that proposed `k` tokens to the `active_B` rows and accepted `n_accepted_B`:
+        position i was proposed with all before it accepted when n >= i (i < k), accepted when n > i."""
+        pos = jnp.arange(self.k_max)[None]
+        n = n_accepted_B[:, None]
+        live = active_B[:, None] & (pos < k)
+        counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
+        counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
+        floor = jnp.max(jnp.where(active_B, n_accepted_B, 0))
+        return Estimate(counts_2K, floor, self.pick(counts_2K, floor))

@@ -1,0 +1,220 @@
+"""Adaptive draft length (`AdaptiveK`): each round's K chosen on device among a few compiled Ks. Greedy output
+equals AR for every drafter, sampling stays exact (with a negative control), the choice follows the drafter's
+acceptance along the text (its histogram of K), and the degenerate single-K case is the fixed-K loop."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY
+from helpers import RAGGED, SMALL, TARGET, cli, greedy_case, peaked, run_cli, run_patched
+
+from specjax import verify_exactness
+from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, speculative_generate
+from specjax.drafters import registry
+from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.drafters.ngram import NGram
+from specjax.layouts import Draft
+from specjax.metrics import summarize
+from specjax.sampling import Sampler
+from specjax.trees import Chain
+
+COSTS = (1.2, 1.4, 1.8, 2.6)  # round costs of K = 1, 2, 4, 8: a draft step costs a fifth of a verification
+ADAPTIVE = AdaptiveK((1, 2, 4, 8), COSTS)
+
+
+def adaptive_spec(spec: GenerateSpec, adaptive: AdaptiveK = ADAPTIVE) -> GenerateSpec:
+    return dataclasses.replace(spec, adaptive_k=adaptive)
+
+
+@pytest.mark.parametrize("model", ["tiny", "stories"])
+def test_greedy_equals_ar_with_a_draft_model(model, stories):
+    cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
+    dcfg, dgraphdef, dparams = truncated_target(cfg, params, 1)
+    gen = speculative_generate(
+        cfg, graphdef, params, DraftModel(dcfg, dgraphdef, 8), dparams, prompts, adaptive_spec(spec)
+    )
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    k_hist = np.asarray(gen.stats.k_hist)
+    assert k_hist.sum() == np.asarray(gen.stats.row_rounds).sum() and k_hist[[0, 3, 5, 6, 7]].sum() == 0
+
+
+@pytest.mark.parametrize("name, ks", [("eagle", (1, 2, 4, 8)), ("medusa", (1, 2, 4))])
+def test_greedy_equals_ar_with_trained_heads(stories, name, ks):
+    """EAGLE's state (features of the last round, padded to the largest K) and Medusa's, across Ks."""
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
+    entry = registry.get(name)
+    drafter, dparams = entry.build(stories, entry.settings(), ks[-1], None, Sampler())
+    adaptive = AdaptiveK(ks, COSTS[: len(ks)])
+    gen = speculative_generate(
+        cfg, graphdef, params, drafter, dparams, prompts, adaptive_spec(spec, adaptive)
+    )
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    assert (np.asarray(gen.stats.k_hist)[list(ks)] > 0).sum() >= 2, gen.stats.k_hist  # K changed
+
+
+# --- the choice follows the acceptance along the text ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RightThenWrong:
+    """Proposes the target's greedy continuation up to an absolute position per row, then wrong tokens. Params:
+    (the greedy sequences [B, S], the first wrong position [B]); no state."""
+
+    k: int
+
+    @property
+    def shape(self):
+        return Chain(self.k)
+
+    def with_k(self, k: int):
+        return RightThenWrong(k)
+
+    def validate(self, target_cfg):
+        pass
+
+    def init(self, params, tokens_BP, lengths_B, cache_size, feats_BPH):
+        return jnp.zeros(())
+
+    def propose(self, params, state, seq_BS, n_tokens_B, key):
+        greedy_BS, wrong_from_B = params
+        pos_BK = n_tokens_B[:, None] + jnp.arange(self.k)[None]
+        right = jnp.take_along_axis(greedy_BS, jnp.minimum(pos_BK, greedy_BS.shape[1] - 1), axis=1)
+        tokens = jnp.where(pos_BK < wrong_from_B[:, None], right, (right + 1) % TINY.vocab_size)
+        return Draft(tokens, None, self.shape.layout(seq_BS.shape[0])), state
+
+    def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
+        return state
+
+
+@pytest.fixture
+def right_then_wrong():
+    build = lambda target, settings, k, tree, sampler: (RightThenWrong(k), None)
+    entry = registry.register(registry.Entry("right_then_wrong", type("Settings", (), {}), build))
+    yield entry
+    del registry.DRAFTERS["right_then_wrong"]
+
+
+def test_choice_follows_acceptance_along_the_text(right_then_wrong):
+    graphdef, params = TARGET
+    spec = GenerateSpec(64, eos_id=None)
+    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
+    lengths = np.array([len(p) for p in RAGGED])
+    greedy = np.zeros((len(RAGGED), 128), np.int32)
+    for row, p in enumerate(RAGGED):
+        greedy[row, : len(p) + 64] = p + ar[row].tolist()
+    drafter = right_then_wrong.build(None, None, 8, None, None)[0]
+    hists = {}
+    for phase, right_for in [("right", 1000), ("wrong", 0), ("right 24, then wrong", 24)]:
+        dparams = (jnp.asarray(greedy), jnp.asarray(lengths + right_for))
+        gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec))
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=phase)
+        hists[phase] = np.asarray(gen.stats.k_hist)[[1, 2, 4, 8]]  # row-rounds (4 rows) at K = 1, 2, 4, 8
+    # Always right: K = 8 but the first round (the prior's choice); always wrong: K = 1 after the first rounds.
+    assert hists["right"][3] >= 6 * 4 and hists["right"][:3].sum() <= 4, hists
+    assert hists["wrong"][0] >= 55 * 4 and hists["wrong"][1:].sum() <= 3 * 4, hists
+    # Right for 24 tokens (about 3 rounds of 8), then wrong for the other 40: K = 8 until the moving average
+    # of the acceptance falls (a few rounds of one token), then K = 1 (a token per round).
+    assert hists["right 24, then wrong"][3] >= 2 * 4 and hists["right 24, then wrong"][0] >= 25 * 4, hists
+
+
+# --- sampling is exact ------------------------------------------------------------------------------------
+
+
+def test_sampling_is_exact_while_k_changes(monkeypatch):
+    """The first four tokens of 20000 decodes against the target's exact distribution (chi-square): every row
+    drafts K = 1 in its first round (a pessimistic prior), then K = 3 (the measured acceptance is high)."""
+    graphdef, params = peaked(SMALL, 0)
+    dcfg, dgraphdef, dparams = truncated_target(SMALL, params, 1)
+    sampler, n, prompt = Sampler(1.0), 20_000, [1, 3]
+    exact = verify_exactness.target_distribution(SMALL, graphdef, params, prompt, sampler, 4)
+    adaptive = AdaptiveK((1, 3), costs=(1.0, 1.02), prior=0.1)
+    spec = GenerateSpec(4, sampler, eos_id=None, adaptive_k=adaptive)
+    drafter = DraftModel(dcfg, dgraphdef, 3, sampler)
+    run = lambda: speculative_generate(
+        SMALL, graphdef, params, drafter, dparams, [prompt] * n, spec, seed=2
+    )
+    counts = lambda gen: np.bincount(verify_exactness.codes(np.asarray(gen.tokens), 8), minlength=8**4)
+    gen = run()
+    k_hist = np.asarray(gen.stats.k_hist)
+    assert k_hist[1] == n and k_hist[3] >= n and k_hist.sum() == k_hist[1] + k_hist[3], k_hist
+    assert summarize(gen.stats)["alpha"][0] < 0.97  # rejections happen
+    assert verify_exactness.goodness_of_fit(counts(gen), exact) > 1e-3
+    # Negative control: resampling from p instead of the residual must be caught by the same test.
+    broken = run_patched(monkeypatch, "specjax.acceptance.rejection.residual", lambda p, q: p, run)
+    assert verify_exactness.goodness_of_fit(counts(broken), exact) < 1e-6
+
+
+def test_one_k_is_the_fixed_k_loop():
+    """Sampled, adaptive over K in {3} gives the fixed K = 3 loop's tokens and statistics exactly."""
+    graphdef, params = TARGET
+    dcfg, dgraphdef, dparams = truncated_target(TINY, params, 1)
+    spec = GenerateSpec(24, Sampler(1.0), eos_id=None)
+    drafter = DraftModel(dcfg, dgraphdef, 3, spec.sampler)
+    fixed = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, spec, seed=5)
+    one = adaptive_spec(spec, AdaptiveK((3,), (1.0,)))
+    adaptive = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, one, seed=5)
+    np.testing.assert_array_equal(np.asarray(adaptive.tokens), np.asarray(fixed.tokens))
+    for field in ("row_rounds", "emitted", "depth_accepted"):
+        np.testing.assert_array_equal(getattr(adaptive.stats, field), getattr(fixed.stats, field))
+
+
+def test_statistics_with_adaptive_k():
+    """alpha_i counts only the rounds that proposed position i: rounds of K = 1 never reach position 2."""
+    stats = SpecStats.zeros(2, 3)
+    stats = stats.record(
+        jnp.array([True, True]), jnp.array([2, 2]), jnp.array([1, 1]), 1
+    )  # K = 1, accepted
+    stats = stats.record(
+        jnp.array([True, False]), jnp.array([1, 0]), jnp.array([0, 0]), 3
+    )  # K = 3, rejected
+    assert np.asarray(stats.k_hist).tolist() == [0, 2, 0, 1]
+    assert np.asarray(stats.accepted_hist).tolist() == [1, 2, 0, 0]
+    assert np.asarray(stats.reached_at).tolist() == [
+        3,
+        0,
+        0,
+    ]  # position 2 was never proposed after a success
+    assert np.asarray(stats.accepted_at).tolist() == [2, 0, 0]
+
+
+def test_a_round_drafts_at_least_what_a_row_accepted_the_round_before():
+    """Even when the costs favour K = 1: drafters may size their re-reading by this round's K (EAGLE)."""
+    adaptive = AdaptiveK((1, 2, 4, 8), (1.0, 10.0, 10.0, 10.0))
+    estimate = adaptive.zeros()
+    assert int(adaptive.choose(estimate)) == 0
+    estimate = adaptive.observe(estimate, 8, jnp.array([5, 1]), jnp.array([True, True]))
+    assert int(estimate.floor) == 5 and int(adaptive.choose(estimate)) == 3  # K = 8 covers 5
+    estimate = adaptive.observe(estimate, 8, jnp.array([7, 2]), jnp.array([False, True]))  # a done row
+    assert int(estimate.floor) == 2 and int(adaptive.choose(estimate)) == 1
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+
+def test_errors_before_compile():
+    graphdef, params = TARGET
+    spec = adaptive_spec(GenerateSpec(8))
+    with pytest.raises(ValueError, match=r"build the drafter as a chain of the largest K \(k=8\), not K=4"):
+        speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 4), params, RAGGED, spec)
+    with pytest.raises(ValueError, match="NGram cannot change its draft length per round"):
+        speculative_generate(TINY, graphdef, params, NGram(8), None, RAGGED, spec)
+    with pytest.raises(ValueError, match="increasing distinct integers >= 1"):
+        AdaptiveK((4, 2))
+    with pytest.raises(ValueError, match="one positive round cost per K"):
+        AdaptiveK((1, 2), costs=(1.0,))
+    with pytest.raises(ValueError, match="cannot read adaptive K '1,x'"):
+        AdaptiveK.parse("1,x")
+    assert AdaptiveK.parse("1,2,4") == AdaptiveK((1, 2, 4))
+
+
+def test_cli(capsys, stories):
+    """`--adaptive_k` decodes with the round costs timed before the loop and prints the histogram of K."""
+    module = cli()
+    ar = run_cli(module, capsys)
+    out = run_cli(module, capsys, "--drafter=draft_model", "--draft_layers=4", "--adaptive_k=1,2")
+    assert out.split("\n|")[0] == ar.split("\n|")[0]  # the same story
+    assert "adaptive K in {1, 2} (row-rounds by K [0, " in out
+    with pytest.raises(ValueError, match="--adaptive_k chooses each round's K itself: drop --k and --tree"):
+        run_cli(module, capsys, "--drafter=draft_model", "--adaptive_k=1,2", "--k=2")

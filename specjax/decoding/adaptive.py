@@ -1,6 +1,6 @@
 """Adaptive draft length: each round's K is chosen on device, inside the compiled loop, among a few static Ks.
 
-The loop compiles one round per K in `ks` (`speculative.adaptive_round`; the caches and statistics are sized for
+The loop compiles one round per K in `ks` (`speculative.adaptive_rounds`; the caches and statistics are sized for
 the largest K) and picks one from data: the per-position acceptance rates measured so far and the measured cost
 of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`).
 """

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from specjax import acceptance, cli
+from specjax import acceptance, cli, sharding
 from specjax.decoding import AdaptiveK, GenerateSpec
 from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
@@ -62,6 +62,13 @@ flags.DEFINE_string(
     "round costs timed before the loop (replaces --k).",
 )
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
+flags.DEFINE_string(
+    "mesh",
+    "",
+    "Split decoding over devices, e.g. data:2,model:4: the target Megatron style over model, the batch over data "
+    "(see specjax/sharding.py). Empty: one device.",
+)
+cli.define_process_flags()
 SPECULATIVE_FLAGS = {"k", "tree", "acceptance", "adaptive_k"}  # meaningful only with a drafter
 
 
@@ -158,18 +165,26 @@ def main(argv):
     rule = acceptance.get(FLAGS.acceptance)
     plan = drafter_plan()
     quant = parse_quantization(FLAGS.quantize)
-    model = load_model(FLAGS.model, FLAGS.dtype)
+    cli.join_processes()
+    mesh = sharding.make_mesh(*sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
+    model = load_model(FLAGS.model, FLAGS.dtype, mesh)
     spec = GenerateSpec(
         FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule, adaptive_k=adaptive_k()
     )
     drafter, drafter_params = make_drafter(model, sampler, plan)
     model = quantize_loaded(model, quant)
-    report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params)
+    report = decode_texts(
+        model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params, mesh=mesh
+    )
+    if drafter and FLAGS.compare_ar:  # every process decodes, process 0 prints
+        ar_report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, mesh=mesh)
+    if not sharding.is_main():
+        return
     for prompt, text in zip(prompts, report.texts):
         print(f"--- {prompt!r}\n{prompt}{text}\n")
     runs = [("speculative" if drafter else "ar", report)]
     if drafter and FLAGS.compare_ar:
-        runs.append(("ar", decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size)))
+        runs.append(("ar", ar_report))
     print(
         "| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n"
         "|---|---|---|---|---|---|---|---|"

@@ -53,7 +53,7 @@ flags.DEFINE_integer(
     "PyTorch threads (on 2 shared cores, 2 threads ran stories260K's generate ~10x slower).",
 )
 flags.DEFINE_integer("corpus_tokens", 65_536, "Tokens in the retrieval drafter's datastore.")
-flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, one setting, one repetition.")
+flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, T = 1, two settings, one repetition.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
 FLAGS = flags.FLAGS
 
@@ -224,7 +224,7 @@ def main(argv):
     transformers.logging.set_verbosity_error()
     smoke = FLAGS.smoke
     if smoke:
-        FLAGS.repeats, FLAGS.hf_repeats, FLAGS.new_tokens = 1, 1, 16
+        FLAGS.repeats, FLAGS.hf_repeats, FLAGS.new_tokens, FLAGS.temperatures = 1, 1, 16, ["1"]
     common.RESULTS = Path(FLAGS.results)  # where write_table writes
     target = load_model()
     texts = [(t, True) for t in GROUNDED] + [(t, False) for t in FREE]

@@ -4,6 +4,8 @@ token-wise rejection sampling vs block verification (both lossless) and typical 
 
     .venv/bin/python -m experiments.bench_verification [--k=4] [--new_tokens=128] [--repeats=3] [--smoke]
     .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_k=1,2,4,8  # adaptive K only
+    .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_target=expanded --prompts=4 \
+        --new_tokens=64 --temperatures=0.6,1.0  # adaptive K on the memory-bound target
 
 Drafters come from the registry (the draft model: the target truncated to 3 layers, see SETTINGS; EAGLE and
 Medusa: the committed heads in heads/). Per drafter, temperature and rule:
@@ -17,9 +19,10 @@ Medusa: the committed heads in heads/). Per drafter, temperature and rule:
 - tv_first: the exact total-variation distance, averaged over the same contexts, between the distribution of a
   round's first emitted token and the target's (`TypicalLossy.first_token_law`; 0 for the lossless rules).
 AR's row (tokens/s) is measured once per temperature. A second table (`bench_adaptive`) compares adaptive K with
-each fixed K and the best of them, chosen afterwards. Writes results/bench_verification.{md,csv} and
-results/bench_verification_adaptive.{md,csv} (--smoke: *_smoke, Medusa at T=1 on 2 short prompts, a chain and a
-small tree, adaptive K in {1, 2}).
+each fixed K and the best of them, chosen afterwards, on stories260K or (`--adaptive_target=expanded`) on its
+memory-bound expansion of `experiments.bench_memory_bound`, where a round's cost is the target's. Writes
+results/bench_verification.{md,csv} and results/bench_verification_adaptive[_expanded].{md,csv} (--smoke:
+*_smoke, Medusa at T=1 on 2 short prompts, a chain and a small tree, adaptive K in {1, 2}).
 """
 
 from __future__ import annotations
@@ -66,6 +69,14 @@ flags.DEFINE_list(
     "Drafters of the adaptive-K table (Medusa's committed heads draft at most 4 tokens); --drafters= "
     "(empty) leaves only this table.",
 )
+flags.DEFINE_enum(
+    "adaptive_target",
+    "stories260K",
+    ["stories260K", "expanded"],
+    "Target of the adaptive-K table: stories260K (fixed overhead dominates its rounds) or its memory-bound "
+    "expansion (drafters draft_model and eagle).",
+)
+flags.DEFINE_integer("prompts", None, "Use the first this many prompts (default: all 10).")
 flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
 )
@@ -196,15 +207,15 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     return rows
 
 
-def bench_adaptive(target, prompts, name, temperature, ks) -> list[dict]:
-    """Rows of each fixed K in `ks` and of adaptive K over them (chains, token-wise rule). Adaptive K's round
+def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
+    """Rows of each fixed K in `ks` and of adaptive K over them (chains, token-wise rule) for the drafter
+    `build(name, k_max, sampler) -> (drafter, params)` on `target` (cfg, graphdef, params). Adaptive K's round
     costs are calibrated on the first prompt before compiling (`costs`, relative to K = 1's); vs_best is the
     median over repeats of the best fixed K's summed decode time over this row's (the best chosen afterwards by
     median tokens/s), each repeat timing the runs in turn per prompt."""
-    cfg, graphdef, params = target.cfg, target.graphdef, target.params
+    cfg, graphdef, params = target
     sampler, n = Sampler(temperature), FLAGS.new_tokens
-    entry = registry.get(name)
-    drafter, dparams = entry.build(target, entry.settings(**SETTINGS.get(name, {})), ks[-1], None, sampler)
+    drafter, dparams = build(name, ks[-1], sampler)
     bucket = -(-max(map(len, prompts)) // 8) * 8
     spec = GenerateSpec(n, sampler, eos_id=None)
     job = dataclasses.replace(spec, adaptive_k=AdaptiveK(ks))
@@ -237,21 +248,57 @@ def bench_adaptive(target, prompts, name, temperature, ks) -> list[dict]:
     return rows
 
 
-def adaptive_table(target, prompts) -> str:
-    """The adaptive-K table for --adaptive_drafters at --temperatures, written to results/."""
+def adaptive_setup(small):
+    """(target, description, build) of the adaptive-K table: stories260K with the registry's drafters, or its
+    memory-bound expansion (`experiments.bench_memory_bound`: synthetic cost, real distribution) with the
+    expanded EAGLE heads and the draft model of its first 2 original layers."""
+    if FLAGS.adaptive_target == "stories260K":
+
+        def build(name, k, sampler):
+            entry = registry.get(name)
+            return entry.build(small, entry.settings(**SETTINGS.get(name, {})), k, None, sampler)
+
+        return (small.cfg, small.graphdef, small.params), "stories260K", build
+    from experiments import bench_memory_bound as mb
+
+    unknown = set(FLAGS.adaptive_drafters) - {"draft_model", "eagle"}
+    if unknown:
+        raise cli.UsageError(
+            f"--adaptive_target=expanded has the drafters draft_model and eagle, not {sorted(unknown)}; "
+            "choose among them with --adaptive_drafters"
+        )
+    settings = mb.Settings()
+    _, target, draft, loaded = mb.load(settings)
+    methods = {"draft_model": "draft model", "eagle": "eagle"}
+
+    def build(name, k, sampler):
+        return mb.make_drafter(methods[name], target, draft, loaded, k, None, sampler)
+
+    cfg = target[0]
+    title = (
+        f"expanded stories260K ({cfg.n_layers} layers x {cfg.dim}: synthetic cost, real distribution; draft "
+        f"model: its first {settings.draft_layers} original layers)"
+    )
+    return target, title, build
+
+
+def adaptive_table(small, prompts) -> str:
+    """The adaptive-K table for --adaptive_drafters at --temperatures on --adaptive_target, written to results/."""
     ks = tuple(int(k) for k in FLAGS.adaptive_k)
+    target, where, build = adaptive_setup(small)
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         for name in FLAGS.adaptive_drafters:
-            for row in bench_adaptive(target, prompts, name, temperature, ks):
+            for row in bench_adaptive(target, prompts, name, temperature, ks, build):
                 rows.append(row)
                 print(row, flush=True)
     title = (
-        f"{AdaptiveK(ks).describe().capitalize()} vs each fixed K on stories260K (chains, token-wise rule; "
+        f"{AdaptiveK(ks).describe().capitalize()} vs each fixed K on {where} (chains, token-wise rule; "
         "adaptive is told no K: its round costs are timed before the loop, costs relative to K=1), batch 1, "
         f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}"
     )
-    name = "bench_verification_adaptive" + ("_smoke" if FLAGS.smoke else "")
+    suffix = "" if FLAGS.adaptive_target == "stories260K" else "_expanded"
+    name = "bench_verification_adaptive" + suffix + ("_smoke" if FLAGS.smoke else "")
     return common.write_table(name, rows, title)
 
 
@@ -263,6 +310,8 @@ def main(argv):
         FLAGS.temperatures, FLAGS.drafters, FLAGS.tree = ["1.0"], ["medusa"], "0;1;0,0"
         FLAGS.adaptive_k, FLAGS.adaptive_drafters = ["1", "2"], ["medusa"]
     common.RESULTS = Path(FLAGS.results)  # where write_table writes
+    if FLAGS.prompts is not None and FLAGS.prompts < 1:
+        raise cli.UsageError(f"--prompts must be at least 1, got {FLAGS.prompts}")
     if "tokenwise" not in FLAGS.rules or (FLAGS.tree and "tokenwise" not in FLAGS.tree_rules):
         raise cli.UsageError(
             "--rules and --tree_rules must include tokenwise (its samples give the contexts); add it"
@@ -271,7 +320,7 @@ def main(argv):
     if FLAGS.tree:
         shapes.append((parse_tree(FLAGS.tree), [acceptance.get(r) for r in FLAGS.tree_rules]))
     target = load_model()
-    texts = PROMPTS[:2] if FLAGS.smoke else PROMPTS
+    texts = PROMPTS[:2] if FLAGS.smoke else PROMPTS[: FLAGS.prompts]
     prompts = [target.tokenizer.encode(t) for t in texts]
     rows = []
     for temperature in map(float, FLAGS.temperatures):

@@ -221,9 +221,11 @@ def read_config(path: Path) -> LlamaConfig:
 def restore_model(
     path: str | Path,
     dtype: str | None = None,
-    sharding: Callable[[jax.ShapeDtypeStruct], jax.sharding.Sharding] | None = None,
+    shardings: Callable | None = None,
 ):
-    """(config, graphdef, params) from a specjax checkpoint, each array placed by `sharding(shape)`."""
+    """(config, graphdef, params) from a specjax checkpoint, each array restored straight onto its place in
+    `shardings(abstract params as a pure dict)` (a tree of `jax.sharding.Sharding`; e.g.
+    `specjax.sharding.llama_shardings`), with no full copy on one device first."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -231,10 +233,9 @@ def restore_model(
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     graphdef, abstract = abstract_model(cfg)
-    target = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(s) if sharding else None),
-        nnx.to_pure_dict(abstract),
-    )
+    pure = nnx.to_pure_dict(abstract)
+    places = shardings(pure) if shardings else jax.tree.map(lambda _: None, pure)
+    target = jax.tree.map(lambda s, at: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=at), pure, places)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             pure = ckptr.restore(path / "params", target)

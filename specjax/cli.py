@@ -139,3 +139,19 @@ def temperature(value: float, name: str = "--temperature") -> float:
         )
         return 0.0
     return value
+
+
+def define_process_flags() -> None:
+    """--num_processes, --process_id and --coordinator: a run of one process per host (`join_processes`)."""
+    flags.DEFINE_integer("num_processes", 1, "Processes of this run (one per host); 1: this process alone.")
+    flags.DEFINE_integer(
+        "process_id", 0, "This process's id among --num_processes (0 writes files and logs)."
+    )
+    flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0, for a run of several processes.")
+
+
+def join_processes() -> None:
+    """Joins the run of --num_processes processes (nothing for one)."""
+    from specjax import sharding
+
+    sharding.initialize(flags.FLAGS.coordinator, flags.FLAGS.num_processes, flags.FLAGS.process_id)

@@ -126,7 +126,9 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
             f"in {diff}; train heads for this target"
         )
     graphdef, fresh = new_heads(meta, target_cfg, target_params)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fresh)
+    # onto this process's default device, whatever mesh wrote the checkpoint
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), fresh)
     with ocp.CheckpointManager(workdir / "checkpoints") as manager:
         step = manager.latest_step()
         if step is None:

@@ -6,8 +6,8 @@ import dataclasses
 import time
 
 import jax
-import numpy as np
 
+from specjax import sharding
 from specjax.decoding import GenerateSpec, compile_decode
 from specjax.models.loading import LoadedModel
 
@@ -43,27 +43,32 @@ def decode_texts(
     batch_size: int = 8,
     drafter=None,
     drafter_params=None,
+    mesh=None,
 ) -> DecodeReport:
-    """Decodes prompts in batches of `batch_size` with one compiled loop, AR or speculative (with `drafter`).
-    Short batches are padded by repeating a prompt; their extra rows are dropped."""
+    """Decodes prompts in batches of `batch_size` with one compiled loop, AR or speculative (with `drafter`), on
+    one device or split over `mesh` (`specjax.sharding`). Short batches are padded by repeating a prompt (on a
+    mesh, to a multiple of its data axis); their extra rows are dropped."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = encode_prompts(model.tokenizer, texts)
     size = min(batch_size, len(prompts))
+    if mesh is not None:
+        size = -(-size // mesh.shape["data"]) * mesh.shape["data"]
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
     width = max(map(len, prompts))  # one padded width for every batch: one compile
+    pad = lambda batch: batch + [batch[-1]] * (size - len(batch))
     run, compile_s = compile_decode(
-        model.cfg, model.graphdef, model.params, batches[0], spec, drafter, drafter_params, bucket=width
+        model.cfg, model.graphdef, model.params, pad(batches[0]), spec, drafter, drafter_params, width, mesh
     )
-    jax.block_until_ready(run(batches[0] + [batches[0][-1]] * (size - len(batches[0])), seed))  # warm-up
+    jax.block_until_ready(run(pad(batches[0]), seed))  # warm-up
     outputs, new_tokens, run_s, stats = [], 0, 0.0, []
     for i, batch in enumerate(batches):
-        padded = batch + [batch[-1]] * (size - len(batch))
         start = time.perf_counter()
-        gen = jax.block_until_ready(run(padded, seed + i))
+        gen = jax.block_until_ready(run(pad(batch), seed + i))
         run_s += time.perf_counter() - start
+        gen = sharding.to_host(gen)  # on a mesh of several processes, gathered from all of them
         stats.append(getattr(gen, "stats", None))
-        tokens, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+        tokens, lengths = gen.tokens, gen.lengths
         for row, prompt in enumerate(batch):
             full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
             outputs.append(full[len(model.tokenizer.decode(prompt)) :])

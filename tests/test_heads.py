@@ -53,9 +53,9 @@ def fresh_heads(cfg, params):
     return {m: (meta, *heads.new_heads(meta, cfg, params, seed=3)) for m, meta in metas.items()}
 
 
-@pytest.mark.parametrize("model", ["tiny", "stories"])
-def test_greedy_equals_ar_untrained(model, stories):
-    cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
+def test_greedy_equals_ar_untrained():
+    """Random heads on the tiny model (stories260K's shapes are covered by its trained heads below)."""
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
     for name, drafter, dparams in head_drafters(cfg, params, Sampler(), fresh_heads(cfg, params)):
         gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=name)

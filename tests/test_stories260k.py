@@ -59,5 +59,5 @@ def test_orbax_restore_onto_sharding(stories, tmp_path):
     path = save_model(tmp_path / "ckpt", stories.cfg, stories.params)
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    _, _, params = restore_model(path, sharding=lambda shape: sharding)
+    _, _, params = restore_model(path, shardings=lambda tree: jax.tree.map(lambda _: sharding, tree))
     assert all(leaf.sharding == sharding for leaf in jax.tree.leaves(params))

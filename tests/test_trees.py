@@ -193,18 +193,13 @@ def test_greedy_tree_speculation_equals_ar(model, stories):
     cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)
     short = truncated_target(cfg, params, 1)
     shapes = list(PRESETS.items()) + [(str(d), d) for d in DYNAMIC]
-    for name, tree in shapes:
-        # every shape with both drafts on the tiny model; on stories260K (compiles cost more) the shapes
-        # alternate between the truncated draft and the self-draft
-        drafts = [short, (cfg, graphdef, params)]
-        if model == "stories":
-            drafts = [drafts[shapes.index((name, tree)) % 2]]
-        for dcfg, dgraphdef, dparams in drafts:
-            drafter = DraftModel(dcfg, dgraphdef, tree.depth, tree=tree)
-            gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
-            np.testing.assert_array_equal(
-                np.asarray(gen.tokens), ar, err_msg=f"{name}, {dcfg.n_layers} layers"
-            )
+    for i, (name, tree) in enumerate(shapes):
+        # the shapes alternate between the truncated draft and the self-draft (each a compile), starting with
+        # the other draft on the other model: each shape meets both drafts over the two models
+        dcfg, dgraphdef, dparams = [short, (cfg, graphdef, params)][(i + (model == "stories")) % 2]
+        drafter = DraftModel(dcfg, dgraphdef, tree.depth, tree=tree)
+        gen = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=f"{name}, {dcfg.n_layers} layers")
         if isinstance(tree, Tree) and dcfg is cfg:  # a self-draft's static tree holds the argmax path
             assert summarize(gen.stats)["tau"] > 0.9 * min(tree.depth + 1, 39)
 

@@ -8,6 +8,7 @@ token), completed by the target to the draft's depth + 1 tokens, must be distrib
 target (1e-6).
 """
 
+import csv
 import itertools
 
 import jax
@@ -549,3 +550,7 @@ def test_bench_verification_smoke(tmp_path):
         assert f"| {rule} |" in table
     rows = (tmp_path / "bench_verification_smoke.csv").read_text().splitlines()
     assert len(rows) == 1 + 5 and rows[0].startswith("drafter,shape,T,rule,tau,e_tau_same_drafts")
+    with open(tmp_path / "bench_verification_adaptive_smoke.csv") as f:
+        adaptive = list(csv.DictReader(f))
+    assert [row["draft"] for row in adaptive] == ["K=1", "K=2", "adaptive K in {1, 2}"]
+    assert adaptive[2]["rounds_by_k"] and float(adaptive[2]["vs_best"]) > 0

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+import jax
+
+from specjax import sharding
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.speculative import calibrate, speculative_compiled
@@ -19,11 +23,18 @@ def compile_decode(
     drafter=None,
     drafter_params=None,
     bucket: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
 ):
-    """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`.
+    """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
+    device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
+    `data`; the parameters are placed on it here).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""
+    on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    if mesh is not None:
+        params = sharding.place_target(mesh, cfg, params, len(prompts))
+        drafter_params = sharding.place_drafter(mesh, drafter_params)
     if drafter is None:
         prep = lambda batch: prepare(cfg, batch, spec, bucket)
         fn, static, dynamic = generate_compiled, dict(cfg=cfg, graphdef=graphdef), dict(params=params)
@@ -31,18 +42,30 @@ def compile_decode(
         prep = lambda batch: prepare_speculative(cfg, drafter, batch, spec, bucket)
         fn, static = speculative_compiled, dict(cfg=cfg, graphdef=graphdef, drafter=drafter)
         dynamic = dict(params=params, drafter_params=drafter_params)
-    tokens, lengths, full_spec = prep(prompts)
+
+    def batch(prompts):  # (tokens, lengths, spec), the batch split over `data` on a mesh
+        tokens, lengths, full_spec = prep(prompts)
+        if mesh is not None:
+            tokens, lengths = sharding.place((tokens, lengths), (sharding.batch_sharding(mesh),) * 2)
+        return tokens, lengths, full_spec
+
+    tokens, lengths, full_spec = batch(prompts)
     start = time.perf_counter()
-    if drafter is not None:  # adaptive K without costs: time a few rounds per K (counted as compile time)
-        full_spec = calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, full_spec)
-    lowered = fn.lower(
-        **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
-    )
-    compiled = lowered.compile()
+    with on_mesh:
+        if (
+            drafter is not None
+        ):  # adaptive K without costs: time a few rounds per K (counted as compile time)
+            full_spec = calibrate(
+                cfg, graphdef, params, drafter, drafter_params, tokens, lengths, full_spec
+            )
+        lowered = fn.lower(
+            **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
+        )
+        compiled = lowered.compile()
     compile_s = time.perf_counter() - start
 
     def run(prompts: list[list[int]], seed: int = 0):
-        tokens, lengths = prep(prompts)[:2]
+        tokens, lengths = batch(prompts)[:2]
         return compiled(**dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(seed))
 
     return run, compile_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.sharding import constrain_cache
 
 
 def prefill(cfg, graphdef, params, tokens_BP, lengths_B, cache_size: int):
@@ -12,7 +13,7 @@ def prefill(cfg, graphdef, params, tokens_BP, lengths_B, cache_size: int):
     features [B, P, H])."""
     batch, width = tokens_BP.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    cache = init_cache(cfg, batch, cache_size)
+    cache = constrain_cache(init_cache(cfg, batch, cache_size))  # split over the mesh, if there is one
     logits, hidden, cache = forward(graphdef, params, tokens_BP, positions, cache, causal_mask(width))
     last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     return last, cache.with_length(lengths_B), hidden.final

@@ -17,6 +17,7 @@ from pathlib import Path
 from specjax import checkpoint
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
+from specjax.sharding import llama_shardings, place
 from specjax.tokenizer import HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer
 
 DEFAULT_MODEL = "stories260K"
@@ -136,12 +137,15 @@ def read_hf_config(file: Path, dtype: str = "float32") -> LlamaConfig:
         ) from err
 
 
-def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
-    """Loads weights and tokenizer from a path or name (see the module docstring)."""
+def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> LoadedModel:
+    """Loads weights and tokenizer from a path or name (see the module docstring); on `mesh`, the weights split
+    as `specjax.sharding.llama_shardings` says (a specjax checkpoint is restored straight onto the mesh, other
+    formats are read on the host and then placed)."""
     path = resolve(name)
     tok_folder = path
+    shardings = None if mesh is None else (lambda tree: llama_shardings(mesh, tree))
     if (path / checkpoint.MARKER).exists():
-        cfg, graphdef, params = checkpoint.restore_model(path, dtype)
+        cfg, graphdef, params = checkpoint.restore_model(path, dtype, shardings)
         tok_folder = path / "tokenizer"
     elif (path / "config.json").exists():
         cfg = read_hf_config(path / "config.json", dtype)
@@ -159,6 +163,8 @@ def load_model(name: str | None = None, dtype: str = "float32") -> LoadedModel:
             )
         tok_folder = bins[0].parent
         cfg, graphdef, params = read_llama2c(bins[0], dtype)
+    if shardings and not (path / checkpoint.MARKER).exists():
+        params = place(params, shardings(params))
     return LoadedModel(cfg, graphdef, params, load_tokenizer(tok_folder, cfg.vocab_size), path)
 
 

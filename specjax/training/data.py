@@ -176,10 +176,10 @@ def _read_cache(cache: Path, provenance: dict) -> np.ndarray | None:
     return np.load(cache, allow_pickle=False)
 
 
-def load_corpus(config, target, tokenizer, target_id: str | None = None) -> np.ndarray:
+def load_corpus(config, target, tokenizer, target_id: str | None = None, write: bool = True) -> np.ndarray:
     """The packed `[N, seq_len]` training tokens for `config.data`, built once and cached at `config.data.cache`
-    with its provenance; `target_id` is the target's `checkpoint.identity` (computed from its weights if None).
-    A cache built from another target, source or settings is rebuilt."""
+    (if `write`) with its provenance; `target_id` is the target's `checkpoint.identity` (computed from its
+    weights if None). A cache built from another target, source or settings is rebuilt."""
     from specjax import checkpoint
 
     d = config.data
@@ -217,7 +217,7 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None) -> np.n
         docs = read_documents(d.source, tokenizer)
     tokens = pack(docs, d.seq_len)
     check_token_range(tokens, cfg.vocab_size, f"the corpus from {d.source}")
-    if cache is not None:
+    if cache is not None and write:
         # provenance first, with the hash of the tokens' file: a cache whose write was interrupted never matches
         with files.atomic_file(cache, lambda p: True) as tmp, open(tmp, "wb") as f:
             np.save(f, tokens, allow_pickle=False)

@@ -2,7 +2,8 @@
 anything else the decoder loads is converted into one on the first run: `checkpoint.converted`).
 
 Sharding: a `("data", "model")` mesh; the batch is split over `data`, head parameters and optimiser state
-are replicated, the frozen target's matrices are split over `model` along their first axis. The same code
+are replicated, the frozen target is restored straight onto the mesh, split Megatron style over `model`
+(`specjax.sharding`). The same code
 runs on one CPU device or a pod. Checkpoints (head params, optimiser state, step, data position) go to
 `WORKDIR/checkpoints` through an Orbax `CheckpointManager`; a restart resumes from the latest finished one.
 Metrics go to the log, `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR/tensorboard`.
@@ -15,6 +16,7 @@ gradient stops the run with NonFiniteLossError and keeps the last good checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
@@ -23,15 +25,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import logging
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import checkpoint, files, heads
+from specjax import checkpoint, files, heads, sharding
 from specjax.drafters import registry
 from specjax.models.loading import load_tokenizer
+from specjax.sharding import llama_shardings, make_mesh
 from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
 
@@ -40,29 +42,6 @@ CONFIG = "config.json"  # the resolved config of the run that started the workdi
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient became NaN or infinite; the run stopped and kept its last good checkpoint."""
-
-
-def make_mesh(n_data: int = -1, n_model: int = 1) -> Mesh:
-    devices = jax.devices()
-    if n_data == -1:
-        n_data = len(devices) // n_model
-    if n_data < 1 or n_model < 1 or n_data * n_model > len(devices):
-        raise ValueError(
-            f"mesh data={n_data} x model={n_model} needs more than the {len(devices)} devices here"
-        )
-    grid = np.array(devices[: n_data * n_model]).reshape(n_data, n_model)
-    return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def target_sharding(mesh: Mesh):
-    """Places a target parameter: matrices split over `model` along their first axis where it divides."""
-    n = mesh.shape["model"]
-
-    def place(shape: jax.ShapeDtypeStruct):
-        split = len(shape.shape) >= 2 and shape.shape[0] % n == 0
-        return NamedSharding(mesh, P("model") if split and n > 1 else P())
-
-    return place
 
 
 def make_optimizer(opt, steps: int) -> optax.GradientTransformation:
@@ -83,8 +62,11 @@ def target_path(config) -> Path:
 
 
 def load_target(config, mesh: Mesh):
-    path = target_path(config)
-    cfg, graphdef, params = checkpoint.restore_model(path, sharding=target_sharding(mesh))
+    with sharding.main_first("target converted"):  # converted once, by process 0
+        path = target_path(config)
+    cfg, graphdef, params = checkpoint.restore_model(
+        path, shardings=lambda tree: llama_shardings(mesh, tree)
+    )
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
 
@@ -170,7 +152,7 @@ def train(
     (preemption), saving that step. Returns the last logged metrics and timing."""
     validate(config)
     workdir = Path(workdir).absolute()
-    with files.locked(workdir):
+    with files.locked(workdir) if sharding.is_main() else contextlib.nullcontext():  # process 0 holds it
         return _train(config, workdir, stop_at, stop)
 
 
@@ -215,12 +197,14 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
 
     t = config.train
     cfg, _, target_params = target
-    heads.write_meta(
-        workdir, meta
-    )  # other heads in this workdir: refused, whatever allow_config_change says
-    record_config(config, workdir, target_id, resuming=manager.latest_step() is not None)
+    with sharding.main_first("workdir records"):  # written by process 0, checked by every process
+        heads.write_meta(
+            workdir, meta
+        )  # other heads in this workdir: refused, whatever allow_config_change says
+        record_config(config, workdir, target_id, resuming=manager.latest_step() is not None)
 
-    tokens = data.load_corpus(config, target, tokenizer, target_id)
+    # every process reads (or makes) the corpus, process 0 caches it
+    tokens = data.load_corpus(config, target, tokenizer, target_id, write=sharding.is_main())
     store = None
     if config.data.features == "store":
         store = _feature_store(config, target, tokens, target_id)
@@ -238,6 +222,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(optimizer.init(params), replicated)
     batch_sharding = NamedSharding(mesh, P("data"))
+    width = tokens.shape[1]
     loss = loss_fn(meta, config, graphdef, target)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -301,15 +286,20 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
             ),
         )
 
-    logger, last, end = Logger(workdir), {}, min(t.steps, stop_at or t.steps)
+    logger = Logger(workdir) if sharding.is_main() else None  # process 0 logs
+    last, end = {}, min(t.steps, stop_at or t.steps)
     stop = stop or threading.Event()  # never set: run to the end
     window_start, window_tokens = time.perf_counter(), 0
     try:
         while step < end and not stop.is_set():
             rows = data.batch_indices(position, t.batch_size, len(tokens), config.seed)
-            batch = jax.device_put(tokens[rows], batch_sharding)
+            # each process reads the rows of its own devices only
+            batch = sharding.global_array(batch_sharding, (len(rows), width), lambda i: tokens[rows[i]])
             window_tokens += batch.size
-            feats = None if store is None else jax.device_put(store.features(rows), batch_sharding)
+            feats = None
+            if store is not None:
+                shape = (len(rows), width, cfg.dim)
+                feats = sharding.global_array(batch_sharding, shape, lambda i: store.features(rows[i]))
             key = jax.random.fold_in(jax.random.key(config.seed), step)
             params, opt_state, metrics, first_bad = train_step(
                 params, opt_state, target_params, batch, feats, key, step + 1, first_bad
@@ -321,7 +311,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
                 check_finite()
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 last["tokens_per_s"] = window_tokens / (time.perf_counter() - window_start)
-                logger(step, last)
+                if logger:
+                    logger(step, last)
                 window_start, window_tokens = time.perf_counter(), 0
     finally:  # finished or interrupted (Ctrl-C included): keep the last step, if its parameters are finite
         try:
@@ -329,7 +320,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
                 save()
             manager.wait_until_finished()
         finally:
-            logger.close()
+            if logger:
+                logger.close()
     return {"step": step, **last}
 
 
@@ -340,6 +332,11 @@ def _feature_store(config, target, tokens, target_id: str):
     folder = Path(config.data.store).absolute()
     provenance = data.store_provenance(target_id, tokens)
     if not (folder / data.MANIFEST).exists():
+        if jax.process_count() > 1:
+            raise data.DataError(
+                f"feature store {folder} does not exist yet; build it with a run of one process first (or "
+                "train with data.features='online')"
+            )
         features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t))
         manifest = data.build_feature_store(folder, tokens, features, provenance=provenance)
         logging.info(

@@ -1,0 +1,134 @@
+"""Helper of test_sharding.py, run in its own process with 8 simulated CPU devices: decodes the same ragged batch
+with each drafter (draft model, Medusa, EAGLE, n-gram) greedily on meshes (data x model) 1x8, 2x4 and 8x1, sampled
+on one device and on 2x4, and with AR greedily on one device and on 2x4; restores a checkpoint onto 2x4. Prints
+the tokens of each run, the restored placement, and the collectives and host transfers of the compiled 2x4 EAGLE
+program, as JSON."""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specjax import heads, sharding
+from specjax.decoding import GenerateSpec, compile_decode
+from specjax.drafters import registry
+from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import init_params
+from specjax.sampling import Sampler
+
+# Every axis of every mesh divides the kv heads (8), the MLP's hidden units and the batch (8).
+CFG = LlamaConfig(
+    vocab_size=97, dim=32, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=4, hidden_dim=64, max_seq_len=256
+)
+GRAPHDEF, PARAMS = init_params(CFG, seed=3)
+PROMPTS = [
+    [1, 5, 9],
+    [1],
+    [1, 40, 41, 42, 43, 44, 45],
+    [1, 7, 7, 7, 7],
+    [1, 2],
+    [1, 9, 9],
+    [1, 3, 4, 5],
+    [1, 60],
+]
+
+
+def drafter(name: str, sampler):
+    if name == "draft_model":
+        cfg, graphdef, params = truncated_target(CFG, PARAMS, 1)
+        return DraftModel(cfg, graphdef, 3, sampler, None), params
+    if name == "ngram":
+        entry = registry.get("ngram")
+        return entry.build(None, entry.settings(), 3, None, sampler)
+    shape = {"num_heads": 3, "num_layers": 1} if name == "medusa" else {}
+    meta = heads.describe(name, shape, CFG)
+    graphdef, params = heads.new_heads(meta, CFG, PARAMS, seed=4)
+    return heads.make_drafter(meta, graphdef, CFG, 3, sampler), heads.drafter_params(
+        meta, params, CFG, PARAMS
+    )
+
+
+def decode(name: str, temperature: float, mesh):
+    sampler = Sampler(temperature)
+    spec = GenerateSpec(24, sampler, eos_id=None)
+    d, dp = (None, None) if name == "ar" else drafter(name, sampler)
+    run, _ = compile_decode(CFG, GRAPHDEF, PARAMS, PROMPTS, spec, d, dp, mesh=mesh)
+    return np.asarray(run(PROMPTS, seed=7).tokens).tolist()
+
+
+def program_ops(mesh) -> dict:
+    """Counts, in the compiled 2x4 EAGLE program, of collectives (it is really split) and host transfers."""
+    sampler = Sampler(0.0)
+    d, dp = drafter("eagle", sampler)
+    spec = GenerateSpec(24, sampler, eos_id=None)
+    from specjax.decoding import prepare_speculative
+    from specjax.decoding.speculative import speculative_compiled
+
+    tokens, lengths, spec = prepare_speculative(CFG, d, PROMPTS, spec)
+    params = sharding.place_target(mesh, CFG, PARAMS, len(PROMPTS))
+    tokens, lengths = jax.device_put((tokens, lengths), sharding.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        text = (
+            speculative_compiled.lower(
+                CFG,
+                GRAPHDEF,
+                params,
+                d,
+                sharding.place_drafter(mesh, dp),
+                tokens,
+                lengths,
+                jax.random.key(0),
+                spec,
+            )
+            .compile()
+            .as_text()
+        )
+    count = lambda pattern: len(re.findall(pattern, text))
+    return {
+        "collectives": count(
+            r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\("
+        ),
+        "host_transfers": count(
+            r"\b(send|recv|outfeed|infeed)(-done)?\(|custom_call_target=\"[^\"]*(host|callback)"
+        ),
+        "while_loops": count(r"\bwhile\("),
+    }
+
+
+def restored_on_mesh() -> dict:
+    """A checkpoint restored straight onto the 2x4 mesh: each parameter's partition spec, and whether the values
+    equal the saved ones."""
+    import tempfile
+
+    from specjax import checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint.save_model(Path(tmp) / "ckpt", CFG, PARAMS)
+        mesh = sharding.make_mesh(2, 4)
+        _, _, params = checkpoint.restore_model(
+            path, shardings=lambda tree: sharding.llama_shardings(mesh, tree)
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    saved = jax.tree.leaves(PARAMS)
+    return {
+        "specs": {"/".join(sharding._path(kp)): str(x.sharding.spec) for kp, x in leaves},
+        "equal": all(
+            np.array_equal(np.asarray(x), np.asarray(y)) for (_, x), y in zip(leaves, saved, strict=True)
+        ),
+    }
+
+
+out = {"devices": len(jax.devices()), "restored": restored_on_mesh(), "runs": {}}
+# Greedy: each drafter on every mesh against AR on one device (greedy speculation equals AR: other tests prove
+# it on one device); sampled: each drafter on 2x4 against itself on one device, and AR on 2x4.
+runs = [("ar", 0.0, "1"), ("ar", 0.0, "2x4")]
+for name in ("draft_model", "medusa", "eagle", "ngram"):
+    runs += [(name, 0.0, m) for m in ("1x8", "2x4", "8x1")] + [(name, 1.0, m) for m in ("1", "2x4")]
+for name, temperature, label in runs:
+    mesh = None if label == "1" else sharding.make_mesh(*map(int, label.split("x")))
+    out["runs"][f"{name} T={temperature:g} {label}"] = decode(name, temperature, mesh)
+out["program"] = program_ops(sharding.make_mesh(2, 4))
+print(json.dumps(out))

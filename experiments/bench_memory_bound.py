@@ -523,13 +523,19 @@ def decode_rows(
     return rows
 
 
-flags.DEFINE_bool("smoke", False, "Small expansion, two prompts, a few tokens: a quick end-to-end check.")
-flags.DEFINE_integer("prompts", None, "Prompts per batch size (default 4; smoke 2).")
-flags.DEFINE_integer("new_tokens", None, "Tokens generated per prompt (default 64; smoke 8).")
-flags.DEFINE_integer("repeats", None, "Timed repetitions (median; default 3).")
-flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
-flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
-flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+def define_flags() -> None:
+    """This script's flags, defined when it runs (not on import: other experiments import its functions)."""
+    flags.DEFINE_bool(
+        "smoke", False, "Small expansion, two prompts, a few tokens: a quick end-to-end check."
+    )
+    flags.DEFINE_integer("prompts", None, "Prompts per batch size (default 4; smoke 2).")
+    flags.DEFINE_integer("new_tokens", None, "Tokens generated per prompt (default 64; smoke 8).")
+    flags.DEFINE_integer("repeats", None, "Timed repetitions (median; default 3).")
+    flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
+    flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
+    flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -549,4 +555,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -2,6 +2,9 @@
 
 import functools
 import importlib.util
+import os
+import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +94,32 @@ def run_cli(module, capsys, *args) -> str:
     finally:
         flags.FLAGS.unparse_flags()
     return capsys.readouterr().out
+
+
+def cpu_env(devices: int) -> dict:
+    """The environment of a subprocess with `devices` simulated CPU devices."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+
+
+def run_processes(args: list[str], n: int = 2, devices: int = 4) -> list[str]:
+    """Runs the command `args` as one jax.distributed run of `n` local processes of `devices` CPU devices each
+    (--num_processes, --process_id, --coordinator added); each must succeed. Their stdouts."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    run = [f"--coordinator=localhost:{port}", f"--num_processes={n}"]
+    procs = [
+        subprocess.Popen(
+            args + run + [f"--process_id={i}"],
+            env=cpu_env(devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}: {err[-3000:]}"
+    return [out for out, _ in outs]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import cpu_env, run_processes
 
 from specjax import sharding
 from specjax.models.config import LlamaConfig
@@ -112,44 +113,16 @@ def test_meshes_that_do_not_divide_are_refused(cfg, batch, shape, message):
         sharding.check_target(mesh, cfg, batch)
 
 
-def test_two_processes_decode_like_one(tmp_path):
+def test_two_processes_decode_like_one():
     """run_decode.py as 2 processes of 4 CPU devices (jax.distributed, gloo) on a data:2,model:4 mesh prints
     what one process on one device prints; the other process prints nothing."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
     args = [sys.executable, str(REPO / "run_decode.py"), "--drafter=eagle", "--max_new_tokens=24"]
     args += ["--prompt=Once upon a time", "--prompt=Lily"]
-    env = lambda devices: dict(
-        os.environ,
-        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-    )
-    one = subprocess.run(args, env=env(1), capture_output=True, text=True, timeout=600)
+    one = subprocess.run(args, env=cpu_env(1), capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
-    procs = [
-        subprocess.Popen(
-            args
-            + [
-                "--mesh=data:2,model:4",
-                "--num_processes=2",
-                f"--process_id={i}",
-                f"--coordinator=localhost:{port}",
-            ],
-            env=env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = run_processes(args + ["--mesh=data:2,model:4"])
     text = lambda out: [
         line for line in out.splitlines() if line and not line.startswith(("[Gloo]", "|", "K="))
     ]
-    assert text(outs[0][0]) == text(one.stdout) and len(text(one.stdout)) == 4  # two prompts, two stories
-    assert text(outs[1][0]) == []
+    assert text(outs[0]) == text(one.stdout) and len(text(one.stdout)) == 4  # two prompts, two stories
+    assert text(outs[1]) == []

@@ -2,7 +2,6 @@
 checkpoints are ignored, 8 devices train like 1, the feature store trains like online features, clear errors."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import cpu_env, run_processes
 
 from specjax import checkpoint, heads
 from specjax.models.loading import tokenizer_files
@@ -154,8 +154,7 @@ def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path)
 
 def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):
     """Runs in its own process: the device count is fixed when JAX starts."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     script = REPO / "tests" / "sharded_training.py"
     out = subprocess.run(
         [sys.executable, str(script), str(target_dir), corpus, str(tmp_path)],
@@ -175,44 +174,20 @@ def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):
 def test_two_processes_train_like_one(target_dir, corpus, tmp_path, stories):
     """train_heads.py as 2 processes of 4 CPU devices (jax.distributed, gloo) against 1 process of 8: the same
     losses, one set of workdir records and logs, the same checkpoint, which restores onto one device."""
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-
-    def command(workdir, *extra):
+    def command(workdir):
         return [
             sys.executable, str(REPO / "train_heads.py"), "--config=configs/eagle.py:smoke", f"--workdir={workdir}",
             f"--config.target={target_dir}", f"--config.data.cache={corpus}", "--config.train.steps=6",
-            "--config.train.log_every=1", "--config.train.batch_size=16", "--config.mesh.data=8", *extra,
+            "--config.train.log_every=1", "--config.train.batch_size=16", "--config.mesh.data=8",
         ]  # fmt: skip
 
-    def env(devices):
-        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-        return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-
-    one = subprocess.run(command(tmp_path / "one"), env=env(8), capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        command(tmp_path / "one"), env=cpu_env(8), capture_output=True, text=True, timeout=600
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = [
-        subprocess.Popen(
-            command(
-                tmp_path / "two",
-                f"--coordinator=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-            ),
-            env=env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600) for p in two]
-    for p, (_, err) in zip(two, outs):
-        assert p.returncode == 0, err[-3000:]
-    summaries = [[line for line in out.splitlines() if line.startswith("step=")] for out, _ in outs]
+    outs = run_processes(command(tmp_path / "two"))
+    summaries = [[line for line in out.splitlines() if line.startswith("step=")] for out in outs]
     assert len(summaries[0]) == 1 and summaries[0][0].startswith("step=6") and not summaries[1]  # process 0
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
     assert len(losses(tmp_path / "two")) == 6  # one log line per step: process 0 alone wrote them

@@ -52,9 +52,8 @@ def compile_decode(
     tokens, lengths, full_spec = batch(prompts)
     start = time.perf_counter()
     with on_mesh:
-        if (
-            drafter is not None
-        ):  # adaptive K without costs: time a few rounds per K (counted as compile time)
+        # adaptive K without costs: time a few rounds per K (counted as compile time)
+        if drafter is not None:
             full_spec = calibrate(
                 cfg, graphdef, params, drafter, drafter_params, tokens, lengths, full_spec
             )

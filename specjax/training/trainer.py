@@ -3,9 +3,10 @@ anything else the decoder loads is converted into one on the first run: `checkpo
 
 Sharding: a `("data", "model")` mesh; the batch is split over `data`, head parameters and optimiser state
 are replicated, the frozen target is restored straight onto the mesh, split Megatron style over `model`
-(`specjax.sharding`). The same code
-runs on one CPU device or a pod. Checkpoints (head params, optimiser state, step, data position) go to
-`WORKDIR/checkpoints` through an Orbax `CheckpointManager`; a restart resumes from the latest finished one.
+(`specjax.sharding`). The same code runs on one CPU device, a pod, or several processes (`train_heads.py
+--num_processes`: process 0 writes the workdir records and logs, each process feeds its own devices).
+Checkpoints (head params, optimiser state, step, data position) go to `WORKDIR/checkpoints` through an Orbax
+`CheckpointManager`; a restart resumes from the latest finished one.
 Metrics go to the log, `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR/tensorboard`.
 
 Safety: the config is validated before anything is loaded; the workdir is locked while a run uses it

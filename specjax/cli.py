@@ -142,7 +142,10 @@ def temperature(value: float, name: str = "--temperature") -> float:
 
 
 def define_process_flags() -> None:
-    """--num_processes, --process_id and --coordinator: a run of one process per host (`join_processes`)."""
+    """--num_processes, --process_id and --coordinator: a run of one process per host (`join_processes`). Once per
+    process (a script run again in the same process, as the bad-input tests do, finds them defined)."""
+    if "num_processes" in flags.FLAGS:
+        return
     flags.DEFINE_integer("num_processes", 1, "Processes of this run (one per host); 1: this process alone.")
     flags.DEFINE_integer(
         "process_id", 0, "This process's id among --num_processes (0 writes files and logs)."

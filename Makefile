@@ -34,7 +34,7 @@ bench-memory: $(VENV)/.base
 # Trains the default Medusa and EAGLE heads on stories260K (about 10 + 6 minutes on 2 cores) into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
-	for m in medusa eagle; do \
+	for m in medusa eagle eagle3; do \
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
+from experiments import common
 from experiments.common import decode_seconds, write_table
 from specjax import cli, heads
 from specjax.decoding import GenerateSpec, generate
@@ -36,28 +37,7 @@ flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 FLAGS = flags.FLAGS
 
-PROMPTS = [
-    "Once upon a time",
-    "Once upon a time, there was a little girl named",
-    "Tom and his dog went to the",
-    "Lily wanted to",
-    "One day, a big bear",
-    "The sun was hot and the",
-    "Sam had a red ball.",
-    "There was a small bird who",
-    'Mom said, "',
-    "Ben and Mia were best friends.",
-    "The cat saw a",
-    "In the park, the children",
-    "A little boy found a",
-    "It was a rainy day and",
-    "The old tree",
-    "Sue liked to play with her",
-    "Once there was a fish named",
-    "Max was very happy because",
-    "The girl looked at the sky and",
-    "At night, the moon",
-]
+PROMPTS = common.HEAD_PROMPTS
 
 
 def medusa_accuracy(target, meta, graphdef, params, sequences):

@@ -14,19 +14,32 @@ from specjax.models.llama import causal_mask, forward, init_cache
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
-# Free-continuation story openings shared by the drafter and verification benchmarks.
-STORY_OPENINGS = [
+# The 20 openings of the heads benchmarks (bench_heads, bench_eagle3).
+HEAD_PROMPTS = [
     "Once upon a time",
     "Once upon a time, there was a little girl named",
     "Tom and his dog went to the",
     "Lily wanted to",
     "One day, a big bear",
     "The sun was hot and the",
+    "Sam had a red ball.",
     "There was a small bird who",
+    'Mom said, "',
     "Ben and Mia were best friends.",
+    "The cat saw a",
     "In the park, the children",
+    "A little boy found a",
     "It was a rainy day and",
+    "The old tree",
+    "Sue liked to play with her",
+    "Once there was a fish named",
+    "Max was very happy because",
+    "The girl looked at the sky and",
+    "At night, the moon",
 ]
+
+# Free-continuation story openings shared by the drafter and verification benchmarks (10 of the 20).
+STORY_OPENINGS = [HEAD_PROMPTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 9, 11, 13)]
 
 # Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
 SHAPES = {

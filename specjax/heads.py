@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def new_heads(meta: dict, target_cfg: LlamaConfig, target_params, seed: int = 0)
 def drafter_params(meta: dict, params, target_cfg: LlamaConfig, target_params):
     """What the drafter's functions take (e.g. EAGLE reads the target's embedding and LM head beside its
     own parameters)."""
-    return registry.trained(meta["method"]).drafter_params(params, target_cfg, target_params)
+    return registry.trained(meta["method"]).drafter_params(meta["shape"], params, target_cfg, target_params)
 
 
 def make_drafter(meta: dict, graphdef, target_cfg: LlamaConfig, k: int, sampler, tree=None):
@@ -61,18 +62,44 @@ def make_drafter(meta: dict, graphdef, target_cfg: LlamaConfig, k: int, sampler,
 class HeadsSettings:
     heads: str | None = None
     HELP = {
-        "heads": "Trained heads: the --workdir of a train_heads.py run or an export of one "
-        "(default: heads/stories260K_<drafter>)."
+        "heads": "Trained heads: the --workdir of a train_heads.py run or an export of one, or a head published "
+        "by the EAGLE-3 / Medusa authors (a directory or a Hugging Face hub id; default: "
+        "heads/stories260K_<drafter>)."
     }
+
+
+def resolve_heads(source: str) -> Path:
+    """A local directory for `--heads`: a path, or a Hugging Face hub id (org/name) downloaded into the hub's
+    cache (config and weights only)."""
+    path = Path(source)
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", source) or source.startswith("."):
+        return path
+    import huggingface_hub as hub
+
+    try:
+        patterns = ["*.json", "*.safetensors", "*.bin", "*.pt"]
+        return Path(hub.snapshot_download(source, allow_patterns=patterns))
+    except Exception as err:  # offline, unknown repository, ...
+        raise CheckpointError(
+            f"heads {source!r} are not a local directory and could not be downloaded from the Hugging Face hub "
+            f"({type(err).__name__}); pass a local directory of heads"
+        ) from err
 
 
 def heads_builder(method: str):
     """The registry builder of a trained-head drafter: loads `settings.heads` (default: the committed
-    stories260K heads) for the target and checks they are `method` heads."""
+    stories260K heads; a directory with config.json and no heads.json is read as a published head,
+    `specjax.published`) for the target and checks they are `method` heads."""
 
     def build(target, settings: HeadsSettings, k: int, tree, sampler):
-        workdir = settings.heads or str(COMMITTED / f"stories260K_{method}")
-        meta, graphdef, params = load_heads(workdir, target.cfg, target.params)
+        workdir = resolve_heads(settings.heads or str(COMMITTED / f"stories260K_{method}"))
+        if (workdir / "config.json").is_file() and not (workdir / META).exists():
+            from specjax import published
+
+            loaded = published.load_published(workdir, method, target.cfg, target.params)
+        else:
+            loaded = load_heads(workdir, target.cfg, target.params)
+        meta, graphdef, params = loaded
         if meta["method"] != method:
             raise ValueError(
                 f"{workdir} holds {meta['method']} heads, not {method}; pass --drafter={meta['method']} "
@@ -84,9 +111,12 @@ def heads_builder(method: str):
     return build
 
 
-def register(method: str, trained: registry.TrainedHeads) -> None:
-    """Registers a trained-head drafter: its CLI setting is `--heads`, its builder loads them."""
-    entry = registry.Entry(method, HeadsSettings, heads_builder(method), HeadsSettings.HELP, trained)
+def register(method: str, trained: registry.TrainedHeads, example=None) -> None:
+    """Registers a trained-head drafter: its CLI setting is `--heads`, its builder loads them (`example`: see
+    `registry.Entry`)."""
+    entry = registry.Entry(
+        method, HeadsSettings, heads_builder(method), HeadsSettings.HELP, trained, example
+    )
     registry.register(entry)
 
 

@@ -138,7 +138,7 @@ def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler,
         return entry.build(target, entry.settings(), k, tree, sampler)
     from specjax.training.config import base_config
 
-    shape = entry.heads.shape_of(base_config(name).heads)
+    shape = entry.heads.shape_of(base_config(name).heads, target.cfg, None)
     graphdef, params = entry.heads.init(shape, target.cfg, target.params, seed)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -150,7 +150,7 @@ def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler,
     ]
     params = jax.tree.unflatten(treedef, noisy)
     drafter = entry.heads.drafter(shape, graphdef, target.cfg, k, sampler, tree)
-    return drafter, entry.heads.drafter_params(params, target.cfg, target.params)
+    return drafter, entry.heads.drafter_params(shape, params, target.cfg, target.params)
 
 
 def build_drafter(name, target, k, tree, sampler, tiny: bool, settings: dict | None = None):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from helpers import cpu_env, run_processes
 
-from specjax import checkpoint, heads
+from specjax import checkpoint, files, heads
+from specjax.drafters.eagle3 import frequent_tokens
 from specjax.models.loading import tokenizer_files
 from specjax.models.weights import CheckpointError
 from specjax.training import data, trainer
@@ -57,7 +58,7 @@ def losses(workdir):
     return [json.loads(line)["loss"] for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(
     method, target_dir, corpus, tmp_path, monkeypatch
 ):
@@ -139,17 +140,25 @@ def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
 
 
 def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path):
-    online = smoke_config("medusa", target_dir, corpus)
-    online.train.steps = 8
-    stored = smoke_config("medusa", target_dir, corpus)
-    stored.train.steps = 8
+    """EAGLE-3 with a reduced draft vocabulary: the store holds the tapped layers beside the final features, and
+    the draft vocabulary is the corpus's most frequent tokens."""
+    configs = [smoke_config("eagle3", target_dir, corpus) for _ in range(2)]
+    for c in configs:
+        c.train.steps, c.heads.layers, c.heads.draft_vocab, c.heads.unroll = 8, (0, 2, 4), 128, 3
+    online, stored = configs
     stored.data.features, stored.data.store = "store", str(tmp_path / "store")
     trainer.train(online, tmp_path / "online")
     trainer.train(stored, tmp_path / "stored")
     manifest = json.loads((tmp_path / "store" / data.MANIFEST).read_text())
-    assert manifest["bytes_per_token"] == 64 * 4 + 4  # stories260K: 64 float32 features + an int32 token
+    assert manifest["bytes_per_token"] == 4 * 64 * 4 + 4  # 3 tapped layers and the final features + a token
+    assert manifest["provenance"]["feature_layers"] == [0, 2, 4]
     assert manifest["rows"] == len(np.load(corpus))
     np.testing.assert_allclose(losses(tmp_path / "stored"), losses(tmp_path / "online"), rtol=1e-5)
+    meta = json.loads((tmp_path / "stored" / heads.META).read_text())
+    assert meta["shape"]["draft_ids"] == frequent_tokens(np.load(corpus), 128, 512)
+    stored.heads.layers = (1, 2, 4)  # the same store, other layers: refused
+    with pytest.raises(files.ProvenanceError, match="built from another set of feature layers"):
+        trainer.train(stored, tmp_path / "other")
 
 
 def test_eight_devices_train_like_one(target_dir, corpus, tmp_path):

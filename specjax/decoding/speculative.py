@@ -18,9 +18,10 @@ from flax import struct
 
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
+from specjax.drafters.base import feature_taps
 from specjax.layouts import Draft, Verification
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import forward
+from specjax.models.llama import features, forward
 
 
 @struct.dataclass
@@ -95,15 +96,16 @@ class LoopState:
     estimate: object  # adaptive K's `Estimate` (`AdaptiveK.zeros`), else a placeholder []
 
 
-def verify(graphdef, params, spec: GenerateSpec, draft: Draft, pending_B, cache, key):
-    """One target pass over the pending token and the draft, then the acceptance rule: (Verification,
-    cache holding the pass's keys/values, not yet committed)."""
+def verify(graphdef, params, spec: GenerateSpec, draft: Draft, pending_B, cache, key, taps=()):
+    """One target pass over the pending token and the draft, then the acceptance rule: (Verification with the
+    drafter's features (`taps`), cache holding the pass's keys/values, not yet committed)."""
     tokens = jnp.concatenate([pending_B[:, None], draft.tokens], axis=1)
     layout = draft.layout
     logits, hidden, cache = forward(
-        graphdef, params, tokens, layout.positions(cache.length), cache, layout.mask
+        graphdef, params, tokens, layout.positions(cache.length), cache, layout.mask, taps
     )
-    return layout.accept(spec.acceptance, key, spec.sampler, draft, logits, hidden.final), cache
+    feats = features(hidden, taps)
+    return layout.accept(spec.acceptance, key, spec.sampler, draft, logits, feats), cache
 
 
 def commit(loop: LoopState, layout, verdict: Verification, cache, spec: GenerateSpec, limit_B) -> LoopState:
@@ -137,7 +139,9 @@ def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: Loo
         drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft
     )
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
-    verdict, cache = verify(graphdef, params, spec, draft, pending, loop.cache, k_accept)
+    verdict, cache = verify(
+        graphdef, params, spec, draft, pending, loop.cache, k_accept, feature_taps(drafter)
+    )
     active, depth = ~loop.done_B, verdict.path.shape[1]
     loop = commit(loop, draft.layout, verdict, cache, spec, limit_B)
     if spec.adaptive_k is not None:
@@ -183,7 +187,8 @@ def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, 
     keys [max_new_tokens, 2])."""
     batch, width = tokens_BP.shape
     n_new = spec.max_new_tokens
-    logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)
+    taps = feature_taps(drafter)
+    logits, cache, feats = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size, taps)
     key, sub = jax.random.split(key)
     first = spec.sampler.sample(sub, logits)
     round_keys = jax.random.split(key, (n_new, 2))  # every round emits a token: at most n_new rounds

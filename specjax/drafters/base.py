@@ -45,6 +45,8 @@ class Drafter(Protocol):
         A drafter whose draft layout sets `Verification.feedback` (lookahead) receives it as the keyword
         argument `feedback`."""
 
+    # Optional: `feature_taps`, a tuple of target layers: the features `init` and `commit` receive are then those
+    # layers' outputs followed by the final features, concatenated (`specjax.models.llama.features`; EAGLE-3).
     # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
     # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
     # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and a round drafts at least as
@@ -65,6 +67,11 @@ class KOrTree:
     def with_k(self, k: int):
         """This drafter drafting chains of `k` tokens (adaptive K: one compiled round per K)."""
         return dataclasses.replace(self, k=k, tree=None)
+
+
+def feature_taps(drafter) -> tuple[int, ...]:
+    """The target layers whose outputs the drafter reads beside the final features (none: final features only)."""
+    return tuple(getattr(drafter, "feature_taps", ()))
 
 
 def target_io(target_cfg, target_params) -> dict:

@@ -65,7 +65,7 @@ class EagleState:
     cache: object  # the head's KV cache; committed slots were read with the target's true features
     feats: (
         jax.Array
-    )  # [B, K + 1, H] the target's features from the last verification, from slot `committed`
+    )  # [B, K + 1, F] the target's features at the last round's tokens, from slot `committed`
     committed: jax.Array  # [B] committed cache slots
 
 
@@ -92,11 +92,10 @@ class Eagle(KOrTree):
         batch, width = tokens_BP.shape
         positions = jnp.broadcast_to(jnp.arange(width - 1), (batch, width - 1))
         cache = init_cache(self.layer_cfg, batch, cache_size)
-        _, _, cache = eagle_apply(
-            self.graphdef,
+        _, _, cache = self.apply(
             params,
             tokens_BP[:, 1:],
-            feats_BPH[:, :-1],
+            self.fuse(params, feats_BPH[:, :-1]),
             positions,
             cache,
             causal_mask(width - 1),
@@ -105,9 +104,17 @@ class Eagle(KOrTree):
         feats = jnp.zeros((batch, self.k + 1, feats_BPH.shape[-1]), feats_BPH.dtype).at[:, :1].set(last)
         return EagleState(cache.with_length(lengths_B - 1), feats, lengths_B - 1)
 
+    def fuse(self, params, target_feats):
+        """The head's input features from the target's (EAGLE-1/2: the target's final features as they are)."""
+        return target_feats
+
+    def apply(self, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+        """(logits over the target vocabulary [B, T, V], predicted features [B, T, H], cache)."""
+        return eagle_apply(self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW)
+
     def _step(self, params):
         def step(cache, tokens_BT, positions_BT, mask_BTW, feats_BTH):
-            return eagle_apply(self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW)
+            return self.apply(params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW)
 
         return step
 
@@ -116,11 +123,10 @@ class Eagle(KOrTree):
         w = self.k + 1  # the last round accepted at most K (adaptive K: the state is the largest K's)
         positions = state.committed[:, None] + jnp.arange(w)[None]
         tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
-        logits, feats, cache = eagle_apply(
-            self.graphdef,
+        logits, feats, cache = self.apply(
             params,
             tokens,
-            state.feats[:, :w],
+            self.fuse(params, state.feats[:, :w]),
             positions,
             state.cache.with_length(state.committed),
             causal_mask(w),
@@ -178,7 +184,7 @@ heads.register(
     registry.TrainedHeads(
         settings=EagleTraining,
         init=lambda shape, cfg, target_params, seed: init_eagle(cfg, seed),
-        drafter_params=lambda params, cfg, target_params: {
+        drafter_params=lambda shape, params, cfg, target_params: {
             "head": params,
             **target_io(cfg, target_params),
         },
@@ -188,6 +194,6 @@ heads.register(
         loss=lambda graphdef, cfg, params, feats, tokens, key, h: eagle_loss(
             graphdef, layer_config(cfg), params, feats, tokens, key, h.noise, h.ce_weight
         ),
-        shape_of=lambda h: {},
+        shape_of=lambda h, cfg, tokens: {},
     ),
 )

@@ -140,13 +140,13 @@ heads.register(
         init=lambda shape, cfg, target_params, seed: init_medusa(
             shape["num_heads"], shape["num_layers"], target_io(cfg, target_params)["unembed"]
         ),
-        drafter_params=lambda params, cfg, target_params: params,
+        drafter_params=lambda shape, params, cfg, target_params: params,
         drafter=lambda shape, graphdef, cfg, k, sampler, tree: Medusa(
             graphdef, shape["num_heads"], cfg.vocab_size, cfg.dim, k, tree
         ),
         loss=lambda graphdef, cfg, params, feats, tokens, key, h: medusa_loss(
             graphdef, params, feats, tokens, h.decay
         ),
-        shape_of=lambda h: {"num_heads": h.num_heads, "num_layers": h.num_layers},
+        shape_of=lambda h, cfg, tokens: {"num_heads": h.num_heads, "num_layers": h.num_layers},
     ),
 )

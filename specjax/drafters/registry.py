@@ -11,7 +11,17 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-BUILTIN = ("draft_model", "medusa", "eagle", "ngram", "layer_skip", "lookahead", "retrieval", "quantized")
+BUILTIN = (
+    "draft_model",
+    "medusa",
+    "eagle",
+    "eagle3",
+    "ngram",
+    "layer_skip",
+    "lookahead",
+    "retrieval",
+    "quantized",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,10 +29,13 @@ class TrainedHeads:
     """How a trained head type is made, trained and turned into a drafter (`specjax.heads`, the trainer).
 
     init(shape: dict, target_cfg, target_params, seed) -> (graphdef, params as a pure dict);
-    drafter_params(params, target_cfg, target_params) -> what the drafter's functions take;
+    drafter_params(shape, params, target_cfg, target_params) -> what the drafter's functions take;
     drafter(shape: dict, graphdef, target_cfg, k, sampler, tree) -> Drafter;
-    loss(graphdef, target_cfg, drafter_params, feats_BTH, tokens_BT, key, config.heads) -> (loss, metrics);
-    shape_of(config.heads) -> the head shape recorded in heads.json;
+    loss(graphdef, target_cfg, drafter_params, feats_BTF, tokens_BT, key, config.heads) -> (loss, metrics);
+    shape_of(config.heads, target_cfg, tokens_NT or None) -> the head shape recorded in heads.json (the
+    training tokens, where there are any, e.g. choose a reduced draft vocabulary);
+    feature_taps(shape, target_cfg) -> the target layers whose outputs the loss's features hold before the
+    final features (`specjax.models.llama.features`; none: the final features only);
     settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)
     and checked against (its `RULES`: field -> (predicate, what a valid value is))."""
 
@@ -32,6 +45,7 @@ class TrainedHeads:
     drafter: Callable
     loss: Callable
     shape_of: Callable
+    feature_taps: Callable = lambda shape, target_cfg: ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,14 @@ from specjax.models.config import LlamaConfig
 @struct.dataclass
 class Hidden:
     final: jax.Array  # [B, T, dim] after the final norm (the feature the LM head reads)
-    taps: tuple[jax.Array, ...] = ()  # residual stream after each requested layer
+    taps: tuple[jax.Array, ...] = ()  # residual stream after each requested layer, in the order requested
+
+
+def features(hidden: Hidden, taps: tuple[int, ...] = ()) -> jax.Array:
+    """What a drafter reads of the target at each token: the final features [B, T, dim] (what the LM head
+    reads), or with `taps` the residual streams after those layers then the final features, concatenated
+    [B, T, (len(taps) + 1) * dim] (EAGLE-3 fuses a low, a middle and a high layer)."""
+    return jnp.concatenate([*hidden.taps, hidden.final], axis=-1) if taps else hidden.final
 
 
 class RMSNorm(nnx.Module):
@@ -104,12 +111,28 @@ class Block(nnx.Module):
         self.w_down = linear(cfg.hidden_dim, cfg.dim, False)
 
     def __call__(self, x_BTH, cos, sin, cache: KVCache, visible_BTS, offset: int):
-        b, t, _ = x_BTH.shape
+        return self.finish(x_BTH, self.wqkv(self.attn_norm(x_BTH)), cos, sin, cache, visible_BTS, offset)
+
+    def heads(self, qkv, cos, sin):
+        """(queries [B, T, heads, D], keys and values [B, T, kv heads, D]) from the q/k/v projection, with RoPE."""
+        b, t, _ = qkv.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(self.attn_norm(x_BTH))
         q = apply_rope(qkv[..., : h * hd].reshape(b, t, h, hd), cos, sin)
         k = apply_rope(qkv[..., h * hd : (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
-        v = qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd)
+        return q, k, qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd)
+
+    def residual(self, x_BTH, attn_BTA):
+        """The block after attention: output projection and MLP on the residual stream."""
+        x_BTH = x_BTH + self.wo(attn_BTA)
+        gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTH)), 2, axis=-1)
+        return x_BTH + self.w_down(jax.nn.silu(gate) * up)
+
+    def finish(self, x_BTH, qkv, cos, sin, cache: KVCache, visible_BTS, offset: int):
+        """The block after its q/k/v projection: attention (writing this layer's keys/values), output
+        projection and MLP on the residual stream `x_BTH`."""
+        b, t, _ = x_BTH.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.heads(qkv, cos, sin)
         cache = cache.write(self.layer, k.swapaxes(1, 2), v.swapaxes(1, 2), offset)
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B*kv, S, hd], [B*kv, hd, S]
         g = (
@@ -122,9 +145,7 @@ class Block(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype).reshape(b * kv, g * t, -1)
         attn = jnp.einsum("xqs,xds->xqd", probs, v_all).reshape(b, kv, g, t, hd)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
-        x_BTH = x_BTH + self.wo(attn)
-        gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTH)), 2, axis=-1)
-        return x_BTH + self.w_down(jax.nn.silu(gate) * up), cache
+        return self.residual(x_BTH, attn), cache
 
 
 class Llama(nnx.Module):
@@ -151,15 +172,15 @@ class Llama(nnx.Module):
         cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
         visible = cache.visible(mask_BTW)
         x = self.embed(tokens_BT)
-        tapped = []
+        tapped = {}
         for i, block in enumerate(self.layers):
             x, cache = block(x, cos, sin, cache, visible, mask_BTW.shape[-1] - t)
             if i in taps:
-                tapped.append(x)
+                tapped[i] = x
         final = self.norm(x)
         head = self.embed.embedding[...] if self.lm_head is None else self.lm_head.matrix()  # [V, dim]
         logits = jnp.einsum("btd,vd->btv", final, head)
-        return logits.astype(jnp.float32), Hidden(final, tuple(tapped)), cache
+        return logits.astype(jnp.float32), Hidden(final, tuple(tapped[i] for i in taps)), cache
 
 
 def forward(

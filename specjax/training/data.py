@@ -248,9 +248,13 @@ def batch_indices(position: int, batch: int, n: int, seed: int) -> np.ndarray:
 MANIFEST = "manifest.json"
 
 
-def store_provenance(target_id: str, tokens_NT: np.ndarray, dtype: str = "float32") -> dict:
-    """What a feature store depends on: the target that computed the features, the token rows, their dtype."""
-    return {"target": target_id, "tokens_sha256": array_digest(tokens_NT), "dtype": dtype}
+def store_provenance(
+    target_id: str, tokens_NT: np.ndarray, dtype: str = "float32", taps: tuple[int, ...] = ()
+) -> dict:
+    """What a feature store depends on: the target that computed the features, the token rows, their dtype,
+    and the target layers tapped beside the final features (EAGLE-3), if any."""
+    record = {"target": target_id, "tokens_sha256": array_digest(tokens_NT), "dtype": dtype}
+    return record | ({"feature_layers": list(taps)} if taps else {})
 
 
 def _is_store(folder: Path) -> bool:
@@ -308,8 +312,15 @@ class FeatureStore:
         self.manifest = json.loads((folder / MANIFEST).read_text())
         if provenance is not None and self.manifest.get("provenance") != provenance:
             recorded = self.manifest.get("provenance") or {}
-            names = {"target": "target", "tokens_sha256": "corpus", "dtype": "dtype"}
-            changed = [names.get(k, k) for k in provenance if recorded.get(k) != provenance[k]]
+            names = {
+                "target": "target",
+                "tokens_sha256": "corpus",
+                "dtype": "dtype",
+                "feature_layers": "set of feature layers",
+            }
+            changed = [
+                names.get(k, k) for k in {**recorded, **provenance} if recorded.get(k) != provenance.get(k)
+            ]
             raise files.ProvenanceError(
                 f"feature store {folder} was built from another "
                 f"{', '.join(changed) if recorded else 'target or corpus (it records no provenance)'} "

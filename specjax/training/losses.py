@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from specjax.decoding.prefill import prefill
 
 
-def target_features(cfg, graphdef, params, tokens_BT):
-    """The frozen target's features (final hidden states) `[B, T, H]` on full sequences, no gradient."""
+def target_features(cfg, graphdef, params, tokens_BT, taps: tuple[int, ...] = ()):
+    """The frozen target's features on full sequences, no gradient: final hidden states `[B, T, H]`, or with
+    `taps` those layers' outputs then the final hidden states (`specjax.models.llama.features`)."""
     b, t = tokens_BT.shape
-    return jax.lax.stop_gradient(prefill(cfg, graphdef, params, tokens_BT, jnp.full((b,), t), t)[2])
+    full = prefill(cfg, graphdef, params, tokens_BT, jnp.full((b,), t), t, taps)[2]
+    return jax.lax.stop_gradient(full)
 
 
 def cross_entropy(logits_xV, labels_x):

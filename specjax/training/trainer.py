@@ -71,15 +71,21 @@ def load_target(config, mesh: Mesh):
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
 
+def feature_taps(meta: dict, cfg) -> tuple[int, ...]:
+    """The target layers the method's features tap beside the final features."""
+    return tuple(registry.trained(meta["method"]).feature_taps(meta["shape"], cfg))
+
+
 def loss_fn(meta: dict, config, graphdef, target):
     """`loss(head_params, target_params, tokens, feats, key) -> (loss, metrics)` for the configured method;
     `feats=None` computes the target's features online."""
     cfg, target_graphdef = target[0], target[1]
     h = config.heads
+    taps = feature_taps(meta, cfg)
 
     def loss(params, target_params, tokens, feats, key):
         if feats is None:
-            feats = losses.target_features(cfg, target_graphdef, target_params, tokens)
+            feats = losses.target_features(cfg, target_graphdef, target_params, tokens, taps)
         full = heads.drafter_params(meta, params, cfg, target_params)
         return registry.trained(meta["method"]).loss(graphdef, cfg, full, feats, tokens, key, h)
 
@@ -182,33 +188,36 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
             f"{cfg.max_seq_len} tokens; pass --config.data.sample_len={cfg.max_seq_len - 1} or less"
         )
     target_id = checkpoint.identity(target_path(config), cfg, target_params)
-    meta = heads.describe(config.method, registry.trained(config.method).shape_of(config.heads), cfg)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
     )
     manager = ocp.CheckpointManager(workdir / "checkpoints", options=options)
     try:
-        return _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, meta, manager)
+        return _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, manager)
     finally:
         manager.close()
 
 
-def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, meta, manager) -> dict:
+def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, manager) -> dict:
     import orbax.checkpoint as ocp
 
     t = config.train
     cfg, _, target_params = target
     with sharding.main_first("workdir records"):  # written by process 0, checked by every process
-        heads.write_meta(
-            workdir, meta
-        )  # other heads in this workdir: refused, whatever allow_config_change says
         record_config(config, workdir, target_id, resuming=manager.latest_step() is not None)
 
     # every process reads (or makes) the corpus, process 0 caches it
     tokens = data.load_corpus(config, target, tokenizer, target_id, write=sharding.is_main())
+    shape = registry.trained(config.method).shape_of(config.heads, cfg, tokens)
+    meta = heads.describe(config.method, shape, cfg)
+    with sharding.main_first(
+        "heads record"
+    ):  # other heads in this workdir: refused, whatever allow_config_change says
+        heads.write_meta(workdir, meta)
+    taps = feature_taps(meta, cfg)
     store = None
     if config.data.features == "store":
-        store = _feature_store(config, target, tokens, target_id)
+        store = _feature_store(config, target, tokens, target_id, taps)
         tokens = store.tokens
     if len(tokens) < t.batch_size:
         raise data.DataError(
@@ -299,7 +308,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
             window_tokens += batch.size
             feats = None
             if store is not None:
-                shape = (len(rows), width, cfg.dim)
+                shape = (len(rows), width, store.manifest["dim"])
                 feats = sharding.global_array(batch_sharding, shape, lambda i: store.features(rows[i]))
             key = jax.random.fold_in(jax.random.key(config.seed), step)
             params, opt_state, metrics, first_bad = train_step(
@@ -326,19 +335,19 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, met
     return {"step": step, **last}
 
 
-def _feature_store(config, target, tokens, target_id: str):
+def _feature_store(config, target, tokens, target_id: str, taps: tuple[int, ...] = ()):
     """Opens `config.data.store`, building it first (once) from the frozen target; a store built from another
-    target or other tokens is refused."""
+    target, other tokens or other feature layers is refused."""
     cfg, graphdef, params = target
     folder = Path(config.data.store).absolute()
-    provenance = data.store_provenance(target_id, tokens)
+    provenance = data.store_provenance(target_id, tokens, taps=taps)
     if not (folder / data.MANIFEST).exists():
         if jax.process_count() > 1:
             raise data.DataError(
                 f"feature store {folder} does not exist yet; build it with a run of one process first (or "
                 "train with data.features='online')"
             )
-        features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t))
+        features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t, taps))
         manifest = data.build_feature_store(folder, tokens, features, provenance=provenance)
         logging.info(
             "feature store %s: %d sequences, %d bytes per token",

@@ -1,0 +1,289 @@
+"""EAGLE-3 (Li et al. 2025): a one-layer head over a fusion of the target's low, middle and high layers.
+
+The target's residual streams after three layers (`feature_taps`) are concatenated and fused by a linear layer
+into one feature; the head's decoder layer attends from concat(norm(embedding of token i + 1), norm(feature i))
+and keeps the feature as its residual stream; its own norm and LM head give the next token over a draft
+vocabulary (the N most frequent tokens of its training data, or the whole target vocabulary). While drafting it
+feeds its own output features back in place of the fused target features, as EAGLE-1/2 do; training unrolls it
+the same way ("training-time test") with the loss on the token distribution at every unrolled step.
+
+Draft tokens are mapped back to target ids (`draft_ids`, the d2t map); a target token outside the draft
+vocabulary gets q = 0, so sampled drafts stay exact under the acceptance rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import heads
+from specjax.drafters import registry
+from specjax.drafters.base import target_io
+from specjax.drafters.eagle import Eagle, layer_config
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import Block, Linear, RMSNorm, rope_angles
+
+
+def paper_layers(n_layers: int) -> tuple[int, int, int]:
+    """The paper's low, middle and high layers: the inputs of layers 2, L/2 and L-3 (the outputs of layers 1,
+    L/2 - 1 and L - 4), clipped to the model's layers."""
+    return tuple(min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4))
+
+
+def frequent_tokens(tokens_NT: np.ndarray, n: int, vocab_size: int) -> list[int]:
+    """The `n` most frequent token ids of `tokens_NT` (ties: the lower id), in increasing order."""
+    counts = np.bincount(np.asarray(tokens_NT).ravel(), minlength=vocab_size)
+    return sorted(int(i) for i in np.argsort(-counts, kind="stable")[:n])
+
+
+def vocab_maps(draft_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t [N]: the target id of each draft id, t2d [V]: the draft id of each target id, -1 outside the draft
+    vocabulary)."""
+    d2t = np.asarray(draft_ids, np.int32)
+    t2d = np.full(vocab_size, -1, np.int32)
+    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    return d2t, t2d
+
+
+class FusedInputBlock(Block):
+    """EAGLE-3's decoder layer: attention reads concat(norm(token embedding), norm(feature)) [2H]; the residual
+    stream is the feature; the rest is a decoder layer of the target's architecture."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, 0, rngs)
+        dt = jnp.dtype(cfg.dtype)
+        n_qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = Linear(2 * cfg.dim, n_qkv, cfg.qkv_bias, dt, rngs)
+        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+
+    def __call__(self, embeds_BTH, x_BTH, cos, sin, cache, visible_BTS, offset: int):
+        qkv = self.wqkv(jnp.concatenate([self.embed_norm(embeds_BTH), self.attn_norm(x_BTH)], axis=-1))
+        return self.finish(x_BTH, qkv, cos, sin, cache, visible_BTS, offset)
+
+
+class Eagle3Head(nnx.Module):
+    def __init__(self, layer_cfg: LlamaConfig, n_taps: int, n_draft: int, rngs: nnx.Rngs):
+        dt, dim = jnp.dtype(layer_cfg.dtype), layer_cfg.dim
+        self.fc = Linear(n_taps * dim, dim, False, dt, rngs)
+        self.layer = FusedInputBlock(layer_cfg, rngs)
+        self.norm = RMSNorm(dim, layer_cfg.norm_eps, dt)
+        self.lm_head = Linear(dim, n_draft, False, dt, rngs)
+        self.inv_freq = tuple(float(f) for f in layer_cfg.inv_freq())
+
+    def fuse(self, taps_BTF):
+        """The head's input feature [B, T, H] from the target's tapped layers [B, T, n_taps * H]."""
+        return self.fc(taps_BTF)
+
+    def unrolled(self, embeds_JBTH, feats_BTH):
+        """Training-time test: draft-vocabulary logits [J, B, T, N] of J unrolled steps. Step j at anchor i sits
+        at position i + j and reads embeds_JBTH[j, :, i] and the output feature of step j - 1 at anchor i (step 0:
+        `feats_BTH`); it attends to step 0's keys at anchors <= i and to its own keys at steps 1..j, as drafting
+        does (the prefix read with target features, then the draft chain). Only those scores are computed: T x T
+        for step 0's keys and T x j for the chain, not T x JT."""
+        block, (b, t, _) = self.layer, feats_BTH.shape
+        kv, hd = block.n_kv_heads, block.head_dim
+        g = block.n_heads // kv
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        x, chain, logits = feats_BTH, [], []
+        for j, embeds in enumerate(embeds_JBTH):
+            positions = jnp.broadcast_to(jnp.arange(t) + j, (b, t))
+            cos, sin = rope_angles(self.inv_freq, positions, t + len(embeds_JBTH))
+            qkv = block.wqkv(jnp.concatenate([block.embed_norm(embeds), block.attn_norm(x)], axis=-1))
+            q, k, v = block.heads(qkv, cos, sin)
+            q = q.reshape(b, t, kv, g, hd) * hd**-0.5
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                chain.append((k, v))
+            scores = jnp.einsum("btkgd,bskd->bkgts", q, k0, preferred_element_type=jnp.float32)
+            scores = [jnp.where(causal, scores, jnp.finfo(jnp.float32).min)]
+            # the chain: one key per query (elementwise products: XLA CPU runs these tiny batched dots slowly)
+            scores += [
+                jnp.sum(q * kc[:, :, :, None], -1).transpose(0, 2, 3, 1)[..., None] for kc, _ in chain
+            ]
+            probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v0.dtype)
+            attn = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v0)
+            for s, (_, vc) in enumerate(chain):
+                attn = attn + probs[..., t + s].transpose(0, 3, 1, 2)[..., None] * vc[:, :, :, None]
+            x = block.residual(x, attn.reshape(b, t, -1))
+            logits.append(self.lm_head(self.norm(x)).astype(jnp.float32))
+        return jnp.stack(logits)
+
+    def __call__(self, embeds_BTH, feats_BTH, positions_BT, cache, mask_BTW):
+        """(draft-vocabulary logits [B, T, N] float32, output features [B, T, H], cache)."""
+        b, t, _ = embeds_BTH.shape
+        mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
+        cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
+        visible = cache.visible(mask_BTW)
+        x, cache = self.layer(embeds_BTH, feats_BTH, cos, sin, cache, visible, mask_BTW.shape[-1] - t)
+        return self.lm_head(self.norm(x)).astype(jnp.float32), x, cache
+
+
+def init_eagle3(target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, seed: int = 0):
+    """(graphdef, params as a pure dict) of a fresh head; its LM head starts as the target's rows of the draft
+    vocabulary."""
+    head = Eagle3Head(layer_config(target_cfg), n_taps, len(draft_ids), nnx.Rngs(seed))
+    unembed = target_io(target_cfg, target_params)["unembed"]
+    head.lm_head.weight.set_value(
+        jnp.asarray(unembed)[jnp.asarray(draft_ids)].astype(head.lm_head.weight.dtype)
+    )
+    graphdef, state = nnx.split(head)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def eagle3_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+    """(draft-vocabulary logits [B, T, N], output features [B, T, H], cache) for inputs (token i + 1, feature i),
+    the features already fused (`Eagle3Head.fuse`) or the head's own. `params` = {"head", "embed", "unembed",
+    "draft_ids"}."""
+    embeds = jnp.take(params["embed"], tokens_BT, axis=0)
+    return nnx.merge(graphdef, params["head"])(embeds, feats_BTH, positions_BT, cache, mask_BTW)
+
+
+def to_target_vocab(draft_logits, draft_ids, vocab_size: int):
+    """Draft-vocabulary logits [..., N] as target-vocabulary logits [..., V]: -inf (q = 0) outside it."""
+    full = jnp.full((*draft_logits.shape[:-1], vocab_size), -jnp.inf, draft_logits.dtype)
+    return full.at[..., draft_ids].set(draft_logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3(Eagle):
+    """Drafter: EAGLE's chains, static trees and dynamic trees over an EAGLE-3 head; reads the target's
+    `feature_taps` layers."""
+
+    feature_taps: tuple[int, ...] = ()
+
+    def validate(self, target_cfg: LlamaConfig) -> None:
+        super().validate(target_cfg)
+        if not self.feature_taps or max(self.feature_taps) >= target_cfg.n_layers:
+            raise ValueError(
+                f"this EAGLE-3 head fuses layers {list(self.feature_taps)} but the target has "
+                f"{target_cfg.n_layers} layers: train a head for this target"
+            )
+
+    def fuse(self, params, target_feats):
+        n = len(self.feature_taps) * self.layer_cfg.dim  # the tapped layers; the final features follow
+        return nnx.merge(self.graphdef, params["head"]).fuse(target_feats[..., :n])
+
+    def apply(self, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+        logits, feats, cache = eagle3_apply(
+            self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW
+        )
+        return to_target_vocab(logits, params["draft_ids"], self.layer_cfg.vocab_size), feats, cache
+
+
+def eagle3_loss(graphdef, layer_cfg, params, feats_BTF, tokens_BT, unroll: int, step_weight: float):
+    """Training-time test: the head is run `unroll` steps (`Eagle3Head.unrolled`), step 0 on the fused target
+    features, each later step on its own output features of the step before; at step j anchor i sits at
+    position i + j, reads token i + j + 1 and predicts token i + j + 2. The loss is step_weight^j x the
+    cross-entropy of its draft distribution against the target's distribution restricted to the draft vocabulary,
+    over anchors that exist and whose target top token lies in the draft vocabulary (as the paper does).
+    `feats_BTF`: the tapped layers' outputs then the final features (`specjax.models.llama.features`)."""
+    b, t, width = feats_BTF.shape
+    n, dim, vocab = t - 1, layer_cfg.dim, params["embed"].shape[0]
+    taps, final = feats_BTF[..., : width - dim], feats_BTF[..., width - dim :]
+    ids = params["draft_ids"]
+    target_logits = jnp.einsum("btd,vd->btv", final[:, 1:], jax.lax.stop_gradient(params["unembed"]))
+    target_logits = target_logits.astype(jnp.float32)  # index m: the distribution of token m + 2
+    in_vocab = jnp.zeros((vocab,), bool).at[ids].set(True)[jnp.argmax(target_logits, -1)]
+    target_probs = jax.nn.softmax(target_logits[..., ids], axis=-1)
+    target_top = jnp.argmax(target_probs, -1)
+    head = nnx.merge(graphdef, params["head"])
+    anchors = jnp.arange(n)
+    embeds = [
+        jnp.take(params["embed"], tokens_BT[:, jnp.minimum(anchors + j + 1, t - 1)], axis=0)
+        for j in range(unroll)
+    ]
+    logits_J = head.unrolled(jnp.stack(embeds), head.fuse(taps[:, :-1]))
+    total, metrics = 0.0, {}
+    for j, logits in enumerate(logits_J):
+        shifted = lambda a: jnp.roll(a, -j, axis=1)  # index i -> i + j (the wrapped tail is masked out)
+        weight = ((anchors < n - j)[None] & shifted(in_vocab)).astype(jnp.float32)
+        ce = -jnp.sum(shifted(target_probs) * jax.nn.log_softmax(logits), axis=-1)
+        ce = jnp.sum(ce * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+        hit = (jnp.argmax(logits, -1) == shifted(target_top)).astype(jnp.float32)
+        total = total + step_weight**j * ce
+        metrics |= {f"ce_{j}": ce, f"top1_{j}": jnp.sum(hit * weight) / jnp.maximum(jnp.sum(weight), 1.0)}
+    return total, {"loss": total, **metrics}
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Training:
+    """`config.heads` of an EAGLE-3 training run."""
+
+    layers: tuple = ()  # target layers whose outputs are fused (low, middle, high); () = `paper_layers`
+    draft_vocab: int = 0  # the N most frequent training tokens form the draft vocabulary; 0 = the target's
+    unroll: int = 7  # training-time test: steps the head runs on its own features (the paper's 7)
+    step_weight: float = 0.8  # the loss of unrolled step j weighs step_weight^j (the paper's 0.8)
+    RULES: ClassVar = {
+        "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
+        "draft_vocab": (lambda v: v >= 0, "must be >= 0 (0 = the target's vocabulary)"),
+        "unroll": (lambda v: v >= 1, "must be >= 1"),
+        "step_weight": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    }
+
+
+def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens_NT) -> dict:
+    """The head's shape in heads.json: its fused layers and draft vocabulary (None: the target's)."""
+    layers = list(h.layers) or list(paper_layers(target_cfg.n_layers))
+    if max(layers) >= target_cfg.n_layers:
+        raise ValueError(
+            f"config heads.layers={layers} names a layer the {target_cfg.n_layers}-layer target does not "
+            f"have; use indices below {target_cfg.n_layers}"
+        )
+    ids = None
+    if 0 < h.draft_vocab < target_cfg.vocab_size:
+        if tokens_NT is None:
+            raise ValueError("a reduced draft vocabulary is chosen from training tokens; none were given")
+        ids = frequent_tokens(tokens_NT, h.draft_vocab, target_cfg.vocab_size)
+    return {"layers": layers, "draft_ids": ids}
+
+
+def draft_ids(shape: dict, target_cfg: LlamaConfig) -> list[int]:
+    return shape["draft_ids"] or list(range(target_cfg.vocab_size))
+
+
+def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> Eagle3:
+    return Eagle3(layer_config(cfg), graphdef, k, sampler, tree, tuple(shape["layers"]))
+
+
+def drafter_params(shape, params, cfg, target_params) -> dict:
+    ids = jnp.asarray(draft_ids(shape, cfg), jnp.int32)
+    return {"head": params, **target_io(cfg, target_params), "draft_ids": ids}
+
+
+def tiny_example(target, k, tree, sampler):
+    """(drafter, params) of a fresh head for verify_exactness's tiny target, its LM head redrawn small: a copy of
+    that target's deliberately peaked head would draft tokens the target never accepts, leaving the check no
+    rejections to see."""
+    cfg = target.cfg
+    shape = head_shape(Eagle3Training(), cfg, None)
+    graphdef, params = init_eagle3(cfg, len(shape["layers"]), draft_ids(shape, cfg), target.params)
+    w = params["lm_head"]["weight"]
+    params["lm_head"]["weight"] = 0.25 * jax.random.normal(jax.random.key(1), w.shape, w.dtype)
+    return make_drafter(shape, graphdef, cfg, k, sampler, tree), drafter_params(
+        shape, params, cfg, target.params
+    )
+
+
+heads.register(
+    "eagle3",
+    registry.TrainedHeads(
+        settings=Eagle3Training,
+        init=lambda shape, cfg, target_params, seed: init_eagle3(
+            cfg, len(shape["layers"]), draft_ids(shape, cfg), target_params, seed
+        ),
+        drafter_params=drafter_params,
+        drafter=make_drafter,
+        loss=lambda graphdef, cfg, params, feats, tokens, key, h: eagle3_loss(
+            graphdef, layer_config(cfg), params, feats, tokens, h.unroll, h.step_weight
+        ),
+        shape_of=head_shape,
+        feature_taps=lambda shape, cfg: tuple(shape["layers"]),
+    ),
+    example=tiny_example,
+)

@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY
 from helpers import TARGET, greedy_case
 
-from specjax import heads, verify_exactness
+from specjax import heads, published, verify_exactness
 from specjax.decoding import GenerateSpec, speculative_generate
 from specjax.drafters import registry
 from specjax.drafters.eagle import layer_config
@@ -19,7 +19,6 @@ from specjax.drafters.eagle3 import (
     eagle3_loss,
     frequent_tokens,
     paper_layers,
-    vocab_maps,
 )
 from specjax.metrics import summarize
 from specjax.models.llama import init_cache
@@ -71,10 +70,11 @@ def test_greedy_equals_ar_trained(stories):
 
 
 def test_vocab_maps_round_trip():
-    d2t, t2d = vocab_maps([3, 5, 11], 12)
-    assert d2t.tolist() == [3, 5, 11]
-    assert t2d[d2t].tolist() == [0, 1, 2]
-    assert t2d.tolist() == [-1, -1, -1, 0, -1, 1, -1, -1, -1, -1, -1, 2]
+    """The published d2t (target id - draft id) and t2d (in the draft vocabulary) maps and back."""
+    d2t, t2d = published.d2t_t2d([3, 5, 11], 12)
+    assert (np.arange(3) + d2t).tolist() == [3, 5, 11]
+    assert np.flatnonzero(t2d).tolist() == [3, 5, 11]
+    assert published.draft_ids_of(d2t, t2d, 12).tolist() == [3, 5, 11]
     tokens = np.array([[5, 5, 9, 1], [9, 9, 2, 5]])  # 5 and 9: three each; ties go to the lower id
     assert frequent_tokens(tokens, 3, 12) == [1, 5, 9]
     assert paper_layers(32) == (1, 15, 28) and paper_layers(5) == (1, 1, 1)
@@ -252,8 +252,6 @@ def test_heads_for_another_target_are_refused():
 def test_a_published_export_decodes_like_the_committed_head(stories, tmp_path, monkeypatch):
     """`--heads=DIR` with the committed head exported in the EAGLE-3 authors' layout (specjax.published) drafts
     the same tokens as the committed head; a hub id that cannot be downloaded is a clear error."""
-    from specjax import published
-
     cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
     entry = registry.get("eagle3")
     meta, _, hparams = heads.load_heads(heads.COMMITTED / "stories260K_eagle3", cfg, params)

@@ -41,15 +41,6 @@ def frequent_tokens(tokens_NT: np.ndarray, n: int, vocab_size: int) -> list[int]
     return sorted(int(i) for i in np.argsort(-counts, kind="stable")[:n])
 
 
-def vocab_maps(draft_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d2t [N]: the target id of each draft id, t2d [V]: the draft id of each target id, -1 outside the draft
-    vocabulary)."""
-    d2t = np.asarray(draft_ids, np.int32)
-    t2d = np.full(vocab_size, -1, np.int32)
-    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
-    return d2t, t2d
-
-
 class FusedInputBlock(Block):
     """EAGLE-3's decoder layer: attention reads concat(norm(token embedding), norm(feature)) [2H]; the residual
     stream is the feature; the rest is a decoder layer of the target's architecture."""

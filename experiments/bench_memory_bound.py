@@ -40,9 +40,8 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import common
-from specjax import cli
+from specjax import cli, heads
 from specjax.analysis import expected_tokens_per_round
-from specjax.drafters.base import target_io
 from specjax.models import expand
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.models.loading import load_model
@@ -68,6 +67,8 @@ KINDS = (
     "eagle chain",
     "eagle tree",
     "eagle dynamic",
+    "eagle3 chain",
+    "eagle3 dynamic",
 )
 
 
@@ -140,12 +141,12 @@ def model_step(graphdef):
     )[::2]
 
 
-def eagle_step(graphdef, dim: int):
-    from specjax.drafters.eagle import eagle_apply
+def head_step(drafter, dim: int):
+    """One call of an EAGLE or EAGLE-3 head on its own features: a drafting step."""
 
     def step(params, tokens, positions, cache, mask):
         feats = jnp.zeros(tokens.shape + (dim,), jnp.float32)
-        logits, _, cache = eagle_apply(graphdef, params, tokens, feats, positions, cache, mask)
+        logits, _, cache = drafter.apply(params, tokens, feats, positions, cache, mask)
         return logits, cache
 
     return step
@@ -203,14 +204,13 @@ def interp_cost(curve: dict, t: int) -> float:
 
 def load(settings: Settings):
     """stories260K, its expansion, the draft model of the first original layers, and the expanded heads."""
-    from specjax import heads
 
     small = load_model()
     e = settings.expansion
     cfg, graphdef, params = expand.expand(small.cfg, small.params, e)
     draft = expand.truncated_original(cfg, params, e, small.cfg.n_layers, settings.draft_layers)
     loaded = {}
-    for method in ("medusa", "eagle"):
+    for method in ("medusa", "eagle", "eagle3"):
         meta, hgraph, hparams = heads.load_heads(HEADS / f"stories260K_{method}", small.cfg, small.params)
         big = expand.expand_heads(meta, hparams, small.cfg, cfg, params, e)
         loaded[method] = {"small": (meta, hgraph, hparams), "big": big}
@@ -219,7 +219,6 @@ def load(settings: Settings):
 
 def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, which: str = "big"):
     """(drafter, drafter params) for `method` on the expanded target (`which="big"`) or on stories260K."""
-    from specjax import heads
     from specjax.drafters import registry
     from specjax.drafters.draft_model import DraftModel
 
@@ -286,16 +285,17 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
             fns[("draft model", b)] = pass_loop(
                 model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
             )
-        _, egraph, eparams = loaded["eagle"]["big"]
-        eagle_params = {"head": eparams, **target_io(cfg, params)}
-        fns[("eagle", b)] = pass_loop(
-            eagle_step(egraph, cfg.dim),
-            eagle_params,
-            half(cfg.replace(n_layers=1), b),
-            b,
-            1,
-            settings.calls,
-        )
+        for method in ("eagle", "eagle3"):  # EAGLE's cost is needed for the pilot
+            if method == "eagle" or any(kind.startswith(method + " ") for kind in settings.kinds):
+                meta, hgraph, hparams = loaded[method]["big"]
+                fns[(method, b)] = pass_loop(
+                    head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim),
+                    heads.drafter_params(meta, hparams, cfg, params),
+                    half(cfg.replace(n_layers=1), b),
+                    b,
+                    1,
+                    settings.calls,
+                )
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
@@ -387,8 +387,11 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
         ("eagle chain", "eagle", f"chain K={chain_k}", chain_k, None),
         ("eagle tree", "eagle", f"static tree {eagle_tree.size - 1} nodes", eagle_tree.depth, eagle_tree),
     ]
-    for t in dynamic:
-        out.append(("eagle dynamic", "eagle", f"dynamic {t.top_k},{t.depth},{t.total_tokens}", t.depth, t))
+    out.append(("eagle3 chain", "eagle3", f"chain K={chain_k}", chain_k, None))
+    for method in ("eagle", "eagle3"):  # EAGLE-3 on EAGLE's shapes: the same trees and budgets
+        for t in dynamic:
+            desc = f"dynamic {t.top_k},{t.depth},{t.total_tokens}"
+            out.append((f"{method} dynamic", method, desc, t.depth, t))
     return [row[1:] for row in out if row[0] in settings.kinds]
 
 
@@ -533,6 +536,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", None, "Timed repetitions (median; default 3).")
     flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
     flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
+    flags.DEFINE_list("kinds", None, f"Drafter rows (default all: {', '.join(KINDS)}).")
     flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
 
 
@@ -549,7 +553,11 @@ def main(argv):
         "repeats": FLAGS.repeats,
         "batches": FLAGS.batches and tuple(map(int, FLAGS.batches)),
         "temperatures": FLAGS.temperatures and tuple(map(float, FLAGS.temperatures)),
+        "kinds": FLAGS.kinds and tuple(FLAGS.kinds),
     }
+    unknown = set(FLAGS.kinds or ()) - set(KINDS)
+    if unknown:
+        raise ValueError(f"--kinds names unknown rows {sorted(unknown)}; choose from {list(KINDS)}")
     settings = dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})
     run(settings, FLAGS.results)
 

@@ -121,14 +121,21 @@ def test_expanded_heads_give_the_same_drafts(stories, expanded, trained_heads):
         np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=1e-4, rtol=0)
 
 
-def test_expanded_eagle_accepts_like_the_original(stories, expanded, trained_heads):
-    """End to end: greedy EAGLE chains on stories260K and on its expansion accept the same drafts."""
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_expanded_eagle_accepts_like_the_original(stories, expanded, trained_heads, method):
+    """End to end: greedy EAGLE and EAGLE-3 chains on stories260K and on its expansion accept the same drafts
+    (EAGLE-3's tapped layers move to where the original layers went)."""
     from specjax import heads
     from specjax.decoding import GenerateSpec, speculative_generate
 
     prompts = [stories.tokenizer.encode(p) for p in PROMPTS[:2]]
     spec = GenerateSpec(24, eos_id=None)
-    meta, graphdef, hparams = trained_heads["eagle"]
+    if method == "eagle":
+        meta, graphdef, hparams = trained_heads["eagle"]
+    else:
+        meta, graphdef, hparams = heads.load_heads(
+            heads.COMMITTED / "stories260K_eagle3", stories.cfg, stories.params
+        )
     big = expand.expand_heads(meta, hparams, stories.cfg, expanded[0], expanded[2], E)
     runs = []
     for (cfg, g, p), (m, hg, hp) in (

@@ -18,9 +18,9 @@ their real acceptance and get a real relative cost:
   original layers are spread evenly (`Expansion.original_layers`); `truncated_original` builds the draft model of
   the first few original layers, skipping the inserted ones.
 
-Trained Medusa and EAGLE heads expand the same way (`expand_heads`): their drafts are unchanged and their cost is
-that of heads of the wide target. Rows that the expansion makes trivial are not drafters: skipping the inserted
-layers (or a draft of every original layer) is the target itself.
+Trained Medusa, EAGLE and EAGLE-3 heads expand the same way (`expand_heads`): their drafts are unchanged and their
+cost is that of heads of the wide target. Rows that the expansion makes trivial are not drafters: skipping the
+inserted layers (or a draft of every original layer) is the target itself.
 
 Default (`Expansion()`, from stories260K: D=64, 5 layers, 8 heads of 8, 4 kv heads, 172 hidden): D'=512,
 32 layers, 16 heads of 32 dims, 8 kv heads, 1376 hidden: 2.90M parameters per layer, 93.1M in all, 372 MB of
@@ -236,8 +236,8 @@ def expand_heads(
     expanded_params,
     expansion: Expansion = Expansion(),
 ):
-    """(meta', graphdef', params') of trained Medusa or EAGLE heads of (cfg) for the expanded target: the same
-    drafts (their extra feature dims stay zero), at the cost of heads of the wide target."""
+    """(meta', graphdef', params') of trained Medusa, EAGLE or EAGLE-3 heads of (cfg) for the expanded target: the
+    same drafts (their extra feature dims stay zero), at the cost of heads of the wide target."""
     from specjax import heads
 
     ex = _Expander(cfg, expansion)
@@ -255,8 +255,31 @@ def expand_heads(
         fc[:d, :d], fc[:d, d2 : d2 + d] = p["fc"]["weight"][:, :d], p["fc"]["weight"][:, d:]
         layer = ex.block(p["layer"], np.random.default_rng([expansion.seed, 10**6]))
         new = {"fc": {"weight": fc, "bias": ex.pad(p["fc"]["bias"], (d2,))}, "layer": layer}
+    elif meta["method"] == "eagle3":  # fc fuses the tapped layers; the layer reads [embedding, feature]
+        n_taps = p["fc"]["weight"].shape[1] // d
+        fc = np.zeros((d2, n_taps * d2), ex.dt)
+        for i in range(n_taps):
+            fc[:d, i * d2 : i * d2 + d] = p["fc"]["weight"][:, i * d : (i + 1) * d]
+        halves = [  # the q/k/v columns reading the embedding, then those reading the feature
+            ex.block({**p["layer"], "wqkv": {"weight": w}}, np.random.default_rng([expansion.seed, 10**6]))
+            for w in np.split(p["layer"]["wqkv"]["weight"], 2, axis=1)
+        ]
+        layer = halves[1] | {
+            "wqkv": {"weight": np.concatenate([h["wqkv"]["weight"] for h in halves], axis=1)},
+            "embed_norm": {"weight": ex.norm(p["layer"]["embed_norm"]["weight"])},
+        }
+        new = {
+            "fc": {"weight": fc},
+            "layer": layer,
+            "norm": {"weight": ex.norm(p["norm"]["weight"])},
+            "lm_head": {"weight": ex.pad(p["lm_head"]["weight"], (p["lm_head"]["weight"].shape[0], d2))},
+        }
+        where = expansion.original_layers(cfg.n_layers)  # a tap reads the residual after an original layer
+        meta = {**meta, "shape": {**meta["shape"], "layers": [where[i] for i in meta["shape"]["layers"]]}}
     else:
-        raise ValueError(f"cannot expand heads of method {meta['method']!r}; expandable: medusa, eagle")
+        raise ValueError(
+            f"cannot expand heads of method {meta['method']!r}; expandable: medusa, eagle, eagle3"
+        )
     meta2 = heads.describe(meta["method"], meta["shape"], expanded_cfg)
     graphdef, fresh = heads.new_heads(meta2, expanded_cfg, expanded_params)
     new = jax.tree.map(lambda f, x: jax.numpy.asarray(x, f.dtype), fresh, new)

@@ -204,7 +204,6 @@ def interp_cost(curve: dict, t: int) -> float:
 
 def load(settings: Settings):
     """stories260K, its expansion, the draft model of the first original layers, and the expanded heads."""
-
     small = load_model()
     e = settings.expansion
     cfg, graphdef, params = expand.expand(small.cfg, small.params, e)

@@ -42,7 +42,7 @@ PROMPTS = common.HEAD_PROMPTS
 
 def medusa_accuracy(target, meta, graphdef, params, sequences):
     feats = target_features(target.cfg, target.graphdef, target.params, sequences)
-    _, metrics = medusa_loss(graphdef, params, feats, sequences, 1.0)
+    _, metrics = medusa_loss(graphdef, params, feats, sequences, np.ones_like(sequences), 1.0)
     return [
         dict(
             head=i + 1,

@@ -37,6 +37,24 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (Jinja), if it has one."""
+        return self._tok.chat_template
+
+    def render_chat(self, messages: list[dict], template: str, add_generation_prompt: bool = False) -> str:
+        """The text of `messages` ([{"role", "content"}]) under the Jinja chat `template`; with
+        `add_generation_prompt`, followed by the header that opens the assistant's next turn."""
+        return self._tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` as written (special tokens in it recognised, none added) and the character span
+        of each in `text`."""
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+
 
 class SentencePieceTokenizer:
     """A SentencePiece `.model` file (Llama 2 / llama2.c `tok*.model`)."""

@@ -245,24 +245,24 @@ def test_corpus_cache_is_rebuilt_when_source_setting_or_target_changes(tmp_path,
             setattr(c.data, k, v)
         return data.load_corpus(c, target, stories.tokenizer)
 
-    first = load()
-    np.testing.assert_array_equal(first, fresh())
-    assert np.load(config.data.cache).shape == first.shape
+    first = load().tokens
+    np.testing.assert_array_equal(first, fresh().tokens)
+    assert np.load(config.data.cache).shape == (2, *first.shape)
     record = json.loads(Path(config.data.cache + ".json").read_text())
     assert record["provenance"]["source"]["sha256"] == files.sha256_file(source)
 
     source.write_text(source.read_text().replace("ball", "kite"))  # another text
-    np.testing.assert_array_equal(load(), fresh())
-    assert not np.array_equal(load(), first)
-    np.testing.assert_array_equal(load(seq_len=16), fresh(seq_len=16))  # another setting
-    assert load(seq_len=16).shape[1] == 16
+    np.testing.assert_array_equal(load().tokens, fresh().tokens)
+    assert not np.array_equal(load().tokens, first)
+    np.testing.assert_array_equal(load(seq_len=16).tokens, fresh(seq_len=16).tokens)  # another setting
+    assert load(seq_len=16).tokens.shape[1] == 16
     load(target_id="B")  # another target: rebuilt (the provenance now names B)
     assert json.loads(Path(config.data.cache + ".json").read_text())["provenance"]["target"] == "B"
 
     # A write killed half-way (provenance written, tokens truncated) is rebuilt, never read.
     cache = Path(config.data.cache)
     cache.write_bytes(cache.read_bytes()[:100])
-    np.testing.assert_array_equal(load(target_id="B", seq_len=16), fresh(seq_len=16))
+    np.testing.assert_array_equal(load(target_id="B", seq_len=16).tokens, fresh(seq_len=16).tokens)
     assert not leftovers(cache.parent)
 
 
@@ -290,9 +290,9 @@ def test_token_ids_outside_the_vocabulary_are_an_error(tmp_path, stories, text_s
         data.load_corpus(config, target, Foreign(), "A")
     # A cache edited by hand (its hash updated too) is checked as well.
     config.data.cache = str(tmp_path / "corpus.npy")
-    tokens = data.load_corpus(config, target, stories.tokenizer, "A")
+    tokens = data.load_corpus(config, target, stories.tokenizer, "A").tokens
     tokens[3, 5] = -1
-    np.save(tmp_path / "corpus.npy", tokens)
+    np.save(tmp_path / "corpus.npy", np.stack([tokens, np.ones_like(tokens)]))
     record = json.loads((tmp_path / "corpus.npy.json").read_text())
     record["sha256"] = files.sha256_file(tmp_path / "corpus.npy")
     (tmp_path / "corpus.npy.json").write_text(json.dumps(record))
@@ -307,21 +307,27 @@ def test_feature_store_of_another_target_or_corpus_is_refused(tmp_path, stories,
     target = (stories.cfg, stories.graphdef, stories.params)
     config = config_for("unused", text_source)
     config.data.features, config.data.store = "store", str(tmp_path / "store")
-    tokens = data.load_corpus(config, target, stories.tokenizer, "A")
-    store = trainer._feature_store(config, target, tokens, "A")
-    np.testing.assert_array_equal(store.tokens, tokens)
-    assert trainer._feature_store(config, target, tokens, "A").manifest == store.manifest  # reused
+    corpus = data.load_corpus(config, target, stories.tokenizer, "A")
+    store = trainer._feature_store(config, target, corpus, "A")
+    np.testing.assert_array_equal(store.tokens, corpus.tokens)
+    np.testing.assert_array_equal(store.loss_mask, corpus.loss_mask)
+    assert trainer._feature_store(config, target, corpus, "A").manifest == store.manifest  # reused
     with pytest.raises(files.ProvenanceError, match="store was built from another target than this run's"):
-        trainer._feature_store(config, target, tokens, "B")
+        trainer._feature_store(config, target, corpus, "B")
     with pytest.raises(files.ProvenanceError, match="store was built from another corpus than this run's"):
-        trainer._feature_store(config, target, tokens[1:], "A")
+        trainer._feature_store(config, target, data.Corpus(*(a[1:] for a in corpus)), "A")
+    masked = data.Corpus(corpus.tokens, corpus.loss_mask * (np.arange(corpus.tokens.shape[1]) % 2))
+    with pytest.raises(
+        files.ProvenanceError, match="store was built from another loss mask than this run's"
+    ):
+        trainer._feature_store(config, target, masked, "A")
     # A store folder that is not a finished store (the user's, or one specjax did not write) is never touched.
     made = sentinels(tmp_path / "other")
     (tmp_path / "other" / "tokens.npy").write_bytes(b"mine")
     made[tmp_path / "other" / "tokens.npy"] = b"mine"
     config.data.store = str(tmp_path / "other")
     with pytest.raises(files.DestinationError, match="other already exists"):
-        trainer._feature_store(config, target, tokens, "A")
+        trainer._feature_store(config, target, corpus, "A")
     assert intact(made) and not leftovers(tmp_path)
 
 
@@ -492,8 +498,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
     def loss_fn(*args):
         inner = real(*args)
 
-        def loss(params, target_params, tokens, feats, key):
-            value, metrics = inner(params, target_params, tokens, feats, key)
+        def loss(params, target_params, tokens, mask, feats, key):
+            value, metrics = inner(params, target_params, tokens, mask, feats, key)
             value = jnp.where(jnp.all(jax.random.key_data(key) == poisoned), jnp.nan, value)
             return value, metrics | {"loss": value}
 

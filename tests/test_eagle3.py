@@ -194,7 +194,9 @@ def test_unroll_one_is_the_teacher_forced_loss(training_case):
     features and predicts the next token."""
     hgraph, dparams, feats, tokens = training_case
     cfg, n = layer_config(TINY), tokens.shape[1] - 1
-    loss, _ = eagle3_loss(hgraph, cfg, dparams, feats, tokens, unroll=1, step_weight=0.8)
+    loss, _ = eagle3_loss(
+        hgraph, cfg, dparams, feats, tokens, jnp.ones_like(tokens), unroll=1, step_weight=0.8
+    )
     taps, final = feats[..., : -cfg.dim], feats[..., -cfg.dim :]
     logits, _, _ = eagle3_apply(
         hgraph,
@@ -222,7 +224,9 @@ def test_unrolled_gradient_flows_through_the_heads_own_features(training_case):
         )(head_params)
 
     loss, grad = jax.value_and_grad(
-        lambda hp: eagle3_loss(hgraph, cfg, with_head(hp), feats, tokens, unroll=2, step_weight=0.8)[0]
+        lambda hp: eagle3_loss(
+            hgraph, cfg, with_head(hp), feats, tokens, jnp.ones_like(tokens), unroll=2, step_weight=0.8
+        )[0]
     )(head_params)
     ref_loss, ref_grad = by_hand(lambda out, i: out)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -150,12 +150,12 @@ def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path)
     trainer.train(online, tmp_path / "online")
     trainer.train(stored, tmp_path / "stored")
     manifest = json.loads((tmp_path / "store" / data.MANIFEST).read_text())
-    assert manifest["bytes_per_token"] == 4 * 64 * 4 + 4  # 3 tapped layers and the final features + a token
+    assert manifest["bytes_per_token"] == 4 * 64 * 4 + 5  # 3 tapped layers, the final features, token, mask
     assert manifest["provenance"]["feature_layers"] == [0, 2, 4]
-    assert manifest["rows"] == len(np.load(corpus))
+    assert manifest["rows"] == np.load(corpus).shape[1]
     np.testing.assert_allclose(losses(tmp_path / "stored"), losses(tmp_path / "online"), rtol=1e-5)
     meta = json.loads((tmp_path / "stored" / heads.META).read_text())
-    assert meta["shape"]["draft_ids"] == frequent_tokens(np.load(corpus), 128, 512)
+    assert meta["shape"]["draft_ids"] == frequent_tokens(np.load(corpus)[0], 128, 512)
     stored.heads.layers = (1, 2, 4)  # the same store, other layers: refused
     with pytest.raises(files.ProvenanceError, match="built from another set of feature layers"):
         trainer.train(stored, tmp_path / "other")
@@ -213,9 +213,10 @@ def test_data_sources_and_order(tmp_path, stories):
     txt = data.read_documents(tmp_path / "docs.txt", stories.tokenizer)
     assert txt == [stories.tokenizer.encode("Once upon a time."), stories.tokenizer.encode("The cat sat.")]
     assert data.read_documents(tmp_path / "docs.jsonl", stories.tokenizer) == txt
-    packed = data.pack(txt * 10, 8)
-    assert packed.shape == (sum(map(len, txt * 10)) // 8, 8)
+    packed, mask = data.pack(txt * 10, 8)
+    assert packed.shape == mask.shape == (sum(map(len, txt * 10)) // 8, 8)
     assert packed.ravel().tolist() == [t for d in txt * 10 for t in d][: packed.size]
+    assert np.all(mask == 1)  # plain text: every token is trained
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object with 'text'"):
         data.read_documents(tmp_path / "bad.jsonl", stories.tokenizer)

@@ -146,10 +146,13 @@ class Eagle(KOrTree):
         return state.replace(feats=feats_BDH)
 
 
-def eagle_loss(graphdef, layer_cfg, params, feats_BTH, tokens_BT, key, noise: float, ce_weight: float):
+def eagle_loss(
+    graphdef, layer_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, key, noise: float, ce_weight: float
+):
     """SmoothL1 between predicted and true feature t + 1, plus `ce_weight` x cross-entropy of the predicted
-    feature's token distribution against the target's next-token distribution; inputs are the true features
-    with uniform noise in [-noise/2, noise/2]. `params` as in `eagle_apply` (target embedding and head frozen)."""
+    feature's token distribution against the target's next-token distribution (the one of token t + 2), over
+    the positions whose token t + 2 has loss mask 1; inputs are the true features with uniform noise in
+    [-noise/2, noise/2]. `params` as in `eagle_apply` (target embedding and head frozen)."""
     b, t, _ = feats_BTH.shape
     inputs = feats_BTH[:, :-1] + noise * (jax.random.uniform(key, feats_BTH[:, :-1].shape) - 0.5)
     positions = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
@@ -158,11 +161,13 @@ def eagle_loss(graphdef, layer_cfg, params, feats_BTH, tokens_BT, key, noise: fl
         graphdef, params, tokens_BT[:, 1:], inputs, positions, cache, causal_mask(t - 1)
     )
     true = feats_BTH[:, 1:]
-    feature_loss = jnp.mean(losses.smooth_l1(predicted, true))
+    weights = losses.predicted_mask(loss_mask_BT, 2, t - 1)
+    feature_loss = losses.masked_mean(jnp.mean(losses.smooth_l1(predicted, true), axis=-1), weights)
     target_logits = jnp.einsum("btd,vd->btv", true, jax.lax.stop_gradient(params["unembed"]))
     target_probs = jax.nn.softmax(target_logits.astype(jnp.float32))
-    ce = jnp.mean(-jnp.sum(target_probs * jax.nn.log_softmax(logits), axis=-1))
-    top1 = jnp.mean((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32))
+    ce = losses.masked_mean(-jnp.sum(target_probs * jax.nn.log_softmax(logits), axis=-1), weights)
+    hit = (jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+    top1 = losses.masked_mean(hit, weights)
     loss = feature_loss + ce_weight * ce
     return loss, {"loss": loss, "feature_loss": feature_loss, "ce": ce, "top1": top1}
 
@@ -191,8 +196,8 @@ heads.register(
         drafter=lambda shape, graphdef, cfg, k, sampler, tree: Eagle(
             layer_config(cfg), graphdef, k, sampler, tree
         ),
-        loss=lambda graphdef, cfg, params, feats, tokens, key, h: eagle_loss(
-            graphdef, layer_config(cfg), params, feats, tokens, key, h.noise, h.ce_weight
+        loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: eagle_loss(
+            graphdef, layer_config(cfg), params, feats, tokens, mask, key, h.noise, h.ce_weight
         ),
         shape_of=lambda h, cfg, tokens: {},
     ),

@@ -27,6 +27,7 @@ from specjax.drafters.base import target_io
 from specjax.drafters.eagle import Eagle, layer_config
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, rope_angles
+from specjax.training import losses
 
 
 def paper_layers(n_layers: int) -> tuple[int, int, int]:
@@ -35,9 +36,9 @@ def paper_layers(n_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4))
 
 
-def frequent_tokens(tokens_NT: np.ndarray, n: int, vocab_size: int) -> list[int]:
-    """The `n` most frequent token ids of `tokens_NT` (ties: the lower id), in increasing order."""
-    counts = np.bincount(np.asarray(tokens_NT).ravel(), minlength=vocab_size)
+def frequent_tokens(tokens: np.ndarray, n: int, vocab_size: int) -> list[int]:
+    """The `n` most frequent token ids of `tokens` (ties: the lower id), in increasing order."""
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)
     return sorted(int(i) for i in np.argsort(-counts, kind="stable")[:n])
 
 
@@ -167,12 +168,15 @@ class Eagle3(Eagle):
         return to_target_vocab(logits, params["draft_ids"], self.layer_cfg.vocab_size), feats, cache
 
 
-def eagle3_loss(graphdef, layer_cfg, params, feats_BTF, tokens_BT, unroll: int, step_weight: float):
+def eagle3_loss(
+    graphdef, layer_cfg, params, feats_BTF, tokens_BT, loss_mask_BT, unroll: int, step_weight: float
+):
     """Training-time test: the head is run `unroll` steps (`Eagle3Head.unrolled`), step 0 on the fused target
     features, each later step on its own output features of the step before; at step j anchor i sits at
     position i + j, reads token i + j + 1 and predicts token i + j + 2. The loss is step_weight^j x the
     cross-entropy of its draft distribution against the target's distribution restricted to the draft vocabulary,
-    over anchors that exist and whose target top token lies in the draft vocabulary (as the paper does).
+    over anchors that exist, whose predicted token has loss mask 1 and whose target top token lies in the draft
+    vocabulary (as the paper does).
     `feats_BTF`: the tapped layers' outputs then the final features (`specjax.models.llama.features`)."""
     b, t, width = feats_BTF.shape
     n, dim, vocab = t - 1, layer_cfg.dim, params["embed"].shape[0]
@@ -181,6 +185,7 @@ def eagle3_loss(graphdef, layer_cfg, params, feats_BTF, tokens_BT, unroll: int, 
     target_logits = jnp.einsum("btd,vd->btv", final[:, 1:], jax.lax.stop_gradient(params["unembed"]))
     target_logits = target_logits.astype(jnp.float32)  # index m: the distribution of token m + 2
     in_vocab = jnp.zeros((vocab,), bool).at[ids].set(True)[jnp.argmax(target_logits, -1)]
+    trained = in_vocab & (losses.predicted_mask(loss_mask_BT, 2, n) > 0)
     target_probs = jax.nn.softmax(target_logits[..., ids], axis=-1)
     target_top = jnp.argmax(target_probs, -1)
     head = nnx.merge(graphdef, params["head"])
@@ -193,7 +198,7 @@ def eagle3_loss(graphdef, layer_cfg, params, feats_BTF, tokens_BT, unroll: int, 
     total, metrics = 0.0, {}
     for j, logits in enumerate(logits_J):
         shifted = lambda a: jnp.roll(a, -j, axis=1)  # index i -> i + j (the wrapped tail is masked out)
-        weight = ((anchors < n - j)[None] & shifted(in_vocab)).astype(jnp.float32)
+        weight = ((anchors < n - j)[None] & shifted(trained)).astype(jnp.float32)
         ce = -jnp.sum(shifted(target_probs) * jax.nn.log_softmax(logits), axis=-1)
         ce = jnp.sum(ce * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         hit = (jnp.argmax(logits, -1) == shifted(target_top)).astype(jnp.float32)
@@ -218,7 +223,7 @@ class Eagle3Training:
     }
 
 
-def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens_NT) -> dict:
+def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens) -> dict:
     """The head's shape in heads.json: its fused layers and draft vocabulary (None: the target's)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers))
     if max(layers) >= target_cfg.n_layers:
@@ -228,9 +233,9 @@ def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens_NT) -> dict:
         )
     ids = None
     if 0 < h.draft_vocab < target_cfg.vocab_size:
-        if tokens_NT is None:
+        if tokens is None:
             raise ValueError("a reduced draft vocabulary is chosen from training tokens; none were given")
-        ids = frequent_tokens(tokens_NT, h.draft_vocab, target_cfg.vocab_size)
+        ids = frequent_tokens(tokens, h.draft_vocab, target_cfg.vocab_size)
     return {"layers": layers, "draft_ids": ids}
 
 
@@ -270,8 +275,8 @@ heads.register(
         ),
         drafter_params=drafter_params,
         drafter=make_drafter,
-        loss=lambda graphdef, cfg, params, feats, tokens, key, h: eagle3_loss(
-            graphdef, layer_config(cfg), params, feats, tokens, h.unroll, h.step_weight
+        loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: eagle3_loss(
+            graphdef, layer_config(cfg), params, feats, tokens, mask, h.unroll, h.step_weight
         ),
         shape_of=head_shape,
         feature_taps=lambda shape, cfg: tuple(shape["layers"]),

@@ -101,20 +101,22 @@ class Medusa(KOrTree):
         return jnp.take_along_axis(feats_BDH, n_accepted_B[:, None, None], axis=1)[:, 0]
 
 
-def medusa_loss(graphdef, params, feats_BTH, tokens_BT, decay: float):
-    """Sum over heads i of decay^i * cross-entropy of head i at position t against token t + 2 + i (Medusa-1)."""
+def medusa_loss(graphdef, params, feats_BTH, tokens_BT, loss_mask_BT, decay: float):
+    """Sum over heads i of decay^i * cross-entropy of head i at position t against token t + 2 + i (Medusa-1),
+    over the tokens whose loss mask is 1."""
     logits = medusa_logits(graphdef, params, feats_BTH)  # [B, T, heads, V]
     n_heads, t = logits.shape[2], tokens_BT.shape[1]
     loss, metrics = 0.0, {}
     for i in range(n_heads):
         shift = i + 2
         head_logits, labels = logits[:, : t - shift, i], tokens_BT[:, shift:]
-        ce = jnp.mean(losses.cross_entropy(head_logits, labels))
+        weights = losses.predicted_mask(loss_mask_BT, shift, t - shift)
+        ce = losses.masked_mean(losses.cross_entropy(head_logits, labels), weights)
         loss = loss + decay**i * ce
         metrics |= {
             f"head{i}_ce": ce,
-            f"head{i}_top1": jnp.mean(losses.in_top(head_logits, labels, 1)),
-            f"head{i}_top5": jnp.mean(losses.in_top(head_logits, labels, 5)),
+            f"head{i}_top1": losses.masked_mean(losses.in_top(head_logits, labels, 1), weights),
+            f"head{i}_top5": losses.masked_mean(losses.in_top(head_logits, labels, 5), weights),
         }
     return loss, metrics | {"loss": loss}
 
@@ -144,8 +146,8 @@ heads.register(
         drafter=lambda shape, graphdef, cfg, k, sampler, tree: Medusa(
             graphdef, shape["num_heads"], cfg.vocab_size, cfg.dim, k, tree
         ),
-        loss=lambda graphdef, cfg, params, feats, tokens, key, h: medusa_loss(
-            graphdef, params, feats, tokens, h.decay
+        loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: medusa_loss(
+            graphdef, params, feats, tokens, mask, h.decay
         ),
         shape_of=lambda h, cfg, tokens: {"num_heads": h.num_heads, "num_layers": h.num_layers},
     ),

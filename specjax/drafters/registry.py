@@ -31,9 +31,10 @@ class TrainedHeads:
     init(shape: dict, target_cfg, target_params, seed) -> (graphdef, params as a pure dict);
     drafter_params(shape, params, target_cfg, target_params) -> what the drafter's functions take;
     drafter(shape: dict, graphdef, target_cfg, k, sampler, tree) -> Drafter;
-    loss(graphdef, target_cfg, drafter_params, feats_BTF, tokens_BT, key, config.heads) -> (loss, metrics);
-    shape_of(config.heads, target_cfg, tokens_NT or None) -> the head shape recorded in heads.json (the
-    training tokens, where there are any, e.g. choose a reduced draft vocabulary);
+    loss(graphdef, target_cfg, drafter_params, feats_BTF, tokens_BT, loss_mask_BT, key, config.heads) ->
+    (loss, metrics), averaged over the terms that predict a token whose loss mask is 1 (`losses.predicted_mask`);
+    shape_of(config.heads, target_cfg, tokens or None) -> the head shape recorded in heads.json (the tokens the
+    heads are trained to predict, where there are any, e.g. choose a reduced draft vocabulary);
     feature_taps(shape, target_cfg) -> the target layers whose outputs the loss's features hold before the
     final features (`specjax.models.llama.features`; none: the final features only);
     settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)

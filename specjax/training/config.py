@@ -38,10 +38,16 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "self_distill"  # or a .txt / .jsonl file
+    c.data.source = (
+        "self_distill"  # or a .txt / .jsonl file (a jsonl of conversations: `messages` or ShareGPT)
+    )
     c.data.num_samples = 2048  # self-distillation: documents sampled from the target
-    c.data.sample_len = 256  # ... of at most this many tokens after BOS
-    c.data.temperature = 1.0  # ... at this temperature
+    c.data.sample_len = 256  # ... of at most this many tokens after BOS (regeneration: per assistant turn)
+    c.data.temperature = 1.0  # ... at this temperature (and regeneration's)
+    c.data.chat_template = ""  # conversations: a Jinja chat template file ("" = the target tokenizer's own)
+    c.data.regenerate = (
+        ""  # conversations: the jsonl the target's rewrite of every assistant turn goes to ("" = none)
+    )
     c.data.cache = (
         "checkpoints/stories260K_corpus.npy"  # packed tokens, built once ("" = rebuild every run)
     )
@@ -160,6 +166,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(d.temperature >= 0, "data.temperature", "must be >= 0 (0 = greedy)")
     need(d.seq_len >= 2, "data.seq_len", "must be >= 2 (a head learns from a token and what follows it)")
     need(not (d.cache and Path(d.cache).is_dir()), "data.cache", "is a directory, not a .npy file path")
+    need(
+        not d.chat_template or Path(d.chat_template).is_file(),
+        "data.chat_template",
+        "is not an existing Jinja template file",
+    )
+    need(
+        not (d.regenerate and Path(d.regenerate).is_dir()),
+        "data.regenerate",
+        "is a directory, not a .jsonl path",
+    )
     need(d.features in ("online", "store"), "data.features", "must be 'online' or 'store'")
     need(
         d.features != "store" or bool(d.store),

@@ -1,8 +1,11 @@
 """Training data for drafting heads: token sequences of fixed length, and optionally their target features.
 
 Sources: a text file (`.txt`: one document per line; `.jsonl`: {"text"} or {"prompt", "response"} per line)
-tokenised with the target's tokenizer, or a self-distilled corpus sampled from the target with specjax's
-own batched decoder. Documents are packed (concatenated, each starting with BOS) into `[N, seq_len]`.
+tokenised with the target's tokenizer; a jsonl of conversations rendered with the target's chat template, the loss
+masked to the assistant's tokens (`specjax.training.chat`), optionally rewritten by the target first
+(`specjax.training.regenerate`); or a self-distilled corpus sampled from the target with specjax's own batched
+decoder. Documents are packed (concatenated, each starting with BOS) into `[N, seq_len]` rows of tokens, with
+a loss mask beside them (1 where a head is trained to predict that token).
 
 Every file is written to a temporary name beside it then renamed (`specjax.files`), so an interrupted run never
 leaves a partial one. The corpus cache (`CACHE.npy`) and the feature store carry their provenance (the target's
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from absl import logging
@@ -22,10 +26,18 @@ from absl import logging
 from specjax import cli, files
 from specjax.decoding import GenerateSpec, generate
 from specjax.sampling import Sampler
+from specjax.training import chat
 
 
 class DataError(ValueError):
     """Training data that cannot be used as it is; the message names the file or setting and the fix."""
+
+
+class Corpus(NamedTuple):
+    """Packed training rows: tokens `[N, T]` and the loss mask `[N, T]` (1: a head learns to predict the token)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
 
 
 def _save_npy(path: Path, array: np.ndarray, replaceable=lambda p: True) -> None:
@@ -87,16 +99,50 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
     return docs
 
 
-def pack(docs: list[list[int]], seq_len: int) -> np.ndarray:
-    """Concatenates the documents and cuts `[N, seq_len]` rows (the incomplete tail is dropped)."""
+def pack(docs: list[list[int]], seq_len: int, masks: list | None = None) -> Corpus:
+    """Concatenates the documents (and their loss masks; None: every token) and cuts `[N, seq_len]` rows (the
+    incomplete tail is dropped)."""
     flat = np.fromiter((t for d in docs for t in d), np.int32)
+    mask = np.ones_like(flat) if masks is None else np.concatenate(masks).astype(np.int32)
     n = len(flat) // seq_len
     if n == 0:
         raise DataError(
             f"the documents hold {len(flat)} tokens, fewer than one sequence of {seq_len}; add documents or "
             "lower data.seq_len"
         )
-    return flat[: n * seq_len].reshape(n, seq_len)
+    return Corpus(flat[: n * seq_len].reshape(n, seq_len), mask[: n * seq_len].reshape(n, seq_len))
+
+
+def conversation_documents(config, target, tokenizer, target_id: str) -> tuple[list[list[int]], list]:
+    """Token ids and loss masks of the conversations in `config.data.source`, rewritten by the target first if
+    `config.data.regenerate` names an output file."""
+    from specjax.training.regenerate import regenerate
+
+    d = config.data
+    try:
+        template = chat.chat_template(tokenizer, d.chat_template)
+        conversations = chat.read_conversations(d.source)
+        if d.regenerate:
+            provenance = {
+                "target": target_id,
+                "source_sha256": files.sha256_file(d.source),
+                "template_sha256": chat.template_digest(template),
+            }
+            conversations = regenerate(
+                conversations,
+                target,
+                tokenizer,
+                template,
+                d.regenerate,
+                provenance,
+                d.sample_len,
+                d.temperature,
+                config.seed,
+            )
+        pairs = [chat.tokenize(tokenizer, m, template) for m in conversations]
+    except chat.ChatDataError as err:
+        raise DataError(str(err)) from None
+    return [ids for ids, _ in pairs], [mask for _, mask in pairs]
 
 
 def self_distill(
@@ -124,7 +170,8 @@ def self_distill(
 
 def corpus_provenance(config, target_id: str) -> dict:
     """What a packed corpus depends on: the target (its tokenizer, and for self-distillation its weights), the
-    source (the settings of self-distillation, or a hash of the text file's contents) and seq_len."""
+    source (the settings of self-distillation, or a hash of the text file's contents, and for conversations the
+    chat template file and the regeneration settings) and seq_len."""
     d = config.data
     if d.source == "self_distill":
         source = {
@@ -142,15 +189,21 @@ def corpus_provenance(config, target_id: str) -> dict:
                 f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
             )
         source = {"file": str(path), "sha256": files.sha256_file(path)}
-    return {"target": target_id, "source": source, "seq_len": d.seq_len}
+        if chat.is_conversation_file(path):
+            template = Path(d.chat_template) if d.chat_template else None
+            source["chat_template_sha256"] = files.sha256_file(template) if template else "tokenizer's own"
+            if d.regenerate:
+                settings = {"sample_len": d.sample_len, "temperature": d.temperature, "seed": config.seed}
+                source["regenerate"] = {"file": str(Path(d.regenerate).absolute())} | settings
+    return {"format": 2, "target": target_id, "source": source, "seq_len": d.seq_len}
 
 
 def _sidecar(cache: Path) -> Path:
     return cache.with_name(cache.name + ".json")
 
 
-def _read_cache(cache: Path, provenance: dict) -> np.ndarray | None:
-    """The cached tokens if `cache` was built from `provenance` and is complete; None if it must be (re)built.
+def _read_cache(cache: Path, provenance: dict) -> Corpus | None:
+    """The cached corpus if `cache` was built from `provenance` and is complete; None if it must be (re)built.
     Refuses a file at `cache` that specjax did not write (no provenance beside it)."""
     if not cache.exists():
         return None
@@ -173,13 +226,19 @@ def _read_cache(cache: Path, provenance: dict) -> np.ndarray | None:
     if files.sha256_file(cache) != record.get("sha256"):
         logging.warning("rebuilding the corpus cache %s: it is incomplete or was modified", cache)
         return None
-    return np.load(cache, allow_pickle=False)
+    stacked = np.load(cache, allow_pickle=False)
+    if stacked.ndim != 3 or stacked.shape[0] != 2:
+        raise DataError(
+            f"cached corpus {cache} has shape {stacked.shape}, not [2 (tokens, loss mask), N, "
+            f"{provenance['seq_len']}]: delete it or point data.cache elsewhere"
+        )
+    return Corpus(stacked[0], stacked[1])
 
 
-def load_corpus(config, target, tokenizer, target_id: str | None = None, write: bool = True) -> np.ndarray:
-    """The packed `[N, seq_len]` training tokens for `config.data`, built once and cached at `config.data.cache`
-    (if `write`) with its provenance; `target_id` is the target's `checkpoint.identity` (computed from its
-    weights if None). A cache built from another target, source or settings is rebuilt."""
+def load_corpus(config, target, tokenizer, target_id: str | None = None, write: bool = True) -> Corpus:
+    """The packed `[N, seq_len]` training tokens and loss mask for `config.data`, built once and cached at
+    `config.data.cache` (if `write`) with its provenance; `target_id` is the target's `checkpoint.identity`
+    (computed from its weights if None). A cache built from another target, source or settings is rebuilt."""
     from specjax import checkpoint
 
     d = config.data
@@ -188,19 +247,29 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
     if cache is not None and cache.is_dir():
         raise DataError(f"data.cache {cache} is a directory; give the path of a .npy file")
     provenance = None
-    if cache is not None:
+    conversations = d.source != "self_distill" and chat.is_conversation_file(d.source)
+    if cache is not None or conversations:
         target_id = target_id or checkpoint.model_identity(cfg, checkpoint.params_digest(target[2]))
+    if cache is not None:
         provenance = corpus_provenance(config, target_id)
-        tokens = _read_cache(cache, provenance)
-        if tokens is not None:
-            check_token_range(tokens, cfg.vocab_size, f"corpus cache {cache}")
-            if tokens.ndim != 2 or tokens.shape[1] != d.seq_len:
+        corpus = _read_cache(cache, provenance)
+        if corpus is not None:
+            check_token_range(corpus.tokens, cfg.vocab_size, f"corpus cache {cache}")
+            if corpus.tokens.shape[1] != d.seq_len:
                 raise DataError(
-                    f"cached corpus {cache} has shape {tokens.shape}, not [N, {d.seq_len}]: delete it or "
-                    "point data.cache elsewhere"
+                    f"cached corpus {cache} has rows of {corpus.tokens.shape[1]} tokens, not {d.seq_len}: "
+                    "delete it or point data.cache elsewhere"
                 )
-            return tokens
-    if d.source == "self_distill":
+            return corpus
+    if d.regenerate and not conversations:
+        raise DataError(
+            f"data.regenerate={d.regenerate!r} rewrites conversations, but data.source={d.source!r} holds none; "
+            "give a jsonl of conversations or set data.regenerate=''"
+        )
+    masks = None
+    if conversations:
+        docs, masks = conversation_documents(config, target, tokenizer, target_id)
+    elif d.source == "self_distill":
         cfg, graphdef, params = target
         docs = self_distill(
             cfg,
@@ -215,12 +284,12 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
         )
     else:
         docs = read_documents(d.source, tokenizer)
-    tokens = pack(docs, d.seq_len)
-    check_token_range(tokens, cfg.vocab_size, f"the corpus from {d.source}")
+    corpus = pack(docs, d.seq_len, masks)
+    check_token_range(corpus.tokens, cfg.vocab_size, f"the corpus from {d.source}")
     if cache is not None and write:
         # provenance first, with the hash of the tokens' file: a cache whose write was interrupted never matches
         with files.atomic_file(cache, lambda p: True) as tmp, open(tmp, "wb") as f:
-            np.save(f, tokens, allow_pickle=False)
+            np.save(f, np.stack(corpus), allow_pickle=False)
             f.flush()
             record = {
                 "format": "specjax-corpus",
@@ -228,7 +297,7 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
                 "sha256": files.sha256_file(tmp),
             }
             files.write_text(_sidecar(cache), json.dumps(record, indent=1), lambda p: True)
-    return tokens
+    return corpus
 
 
 def batch_indices(position: int, batch: int, n: int, seed: int) -> np.ndarray:
@@ -249,11 +318,14 @@ MANIFEST = "manifest.json"
 
 
 def store_provenance(
-    target_id: str, tokens_NT: np.ndarray, dtype: str = "float32", taps: tuple[int, ...] = ()
+    target_id: str, corpus: Corpus, dtype: str = "float32", taps: tuple[int, ...] = ()
 ) -> dict:
-    """What a feature store depends on: the target that computed the features, the token rows, their dtype,
-    and the target layers tapped beside the final features (EAGLE-3), if any."""
-    record = {"target": target_id, "tokens_sha256": array_digest(tokens_NT), "dtype": dtype}
+    """What a feature store depends on: the target that computed the features, the token rows (and their loss
+    mask, unless it is all ones), their dtype, and the target layers tapped beside the final features (EAGLE-3),
+    if any."""
+    record = {"target": target_id, "tokens_sha256": array_digest(corpus.tokens), "dtype": dtype}
+    if not np.all(corpus.loss_mask == 1):
+        record["loss_mask_sha256"] = array_digest(corpus.loss_mask)
     return record | ({"feature_layers": list(taps)} if taps else {})
 
 
@@ -266,18 +338,20 @@ def _is_store(folder: Path) -> bool:
 
 def build_feature_store(
     folder: str | Path,
-    tokens_NT: np.ndarray,
+    corpus: Corpus,
     features_fn,
     shard_size: int = 256,
     dtype: str = "float32",
     provenance: dict | None = None,
 ) -> dict:
     """Writes the target's features of every sequence into shards `features_XXXXX.npy` ([n, T, H]) next to
-    `tokens.npy` and `manifest.json` (with `provenance`), in a temporary folder beside `folder` renamed into
-    place when complete: `folder` must not exist yet (or be empty). `features_fn(tokens)` returns `[n, T, H]`.
-    Returns the manifest, including the bytes of storage per training token."""
+    `tokens.npy`, `loss_mask.npy` and `manifest.json` (with `provenance`), in a temporary folder beside `folder`
+    renamed into place when complete: `folder` must not exist yet (or be empty). `features_fn(tokens)` returns
+    `[n, T, H]`. Returns the manifest, including the bytes of storage per training token."""
+    tokens_NT = corpus.tokens
     with files.atomic_dir(folder, what="feature store") as tmp:
         _save_npy(tmp / "tokens.npy", tokens_NT)
+        _save_npy(tmp / "loss_mask.npy", corpus.loss_mask.astype(np.int8))
         shards = []
         for i, start in enumerate(range(0, len(tokens_NT), shard_size)):
             feats = np.asarray(features_fn(tokens_NT[start : start + shard_size])).astype(dtype)
@@ -293,7 +367,7 @@ def build_feature_store(
             "dim": dim,
             "dtype": dtype,
             "shards": shards,
-            "bytes_per_token": dim * np.dtype(dtype).itemsize + 4,
+            "bytes_per_token": dim * np.dtype(dtype).itemsize + 4 + 1,  # features, token id, loss mask
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -315,6 +389,7 @@ class FeatureStore:
             names = {
                 "target": "target",
                 "tokens_sha256": "corpus",
+                "loss_mask_sha256": "loss mask",
                 "dtype": "dtype",
                 "feature_layers": "set of feature layers",
             }
@@ -327,6 +402,8 @@ class FeatureStore:
                 "than this run's; set data.store to a new folder (or delete this one to rebuild it)"
             )
         self.tokens = np.load(folder / "tokens.npy", allow_pickle=False)
+        mask = folder / "loss_mask.npy"  # absent from stores written before loss masks: every token
+        self.loss_mask = np.load(mask, allow_pickle=False) if mask.exists() else np.ones_like(self.tokens)
         self.shards = [np.load(folder / s["file"], mmap_mode="r") for s in self.manifest["shards"]]
         self.starts = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
 

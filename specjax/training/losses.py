@@ -17,6 +17,19 @@ def target_features(cfg, graphdef, params, tokens_BT, taps: tuple[int, ...] = ()
     return jax.lax.stop_gradient(full)
 
 
+def predicted_mask(loss_mask_BT, shift: int, length: int):
+    """The weights `[B, length]` of the loss terms at positions m < length that predict token m + shift: that
+    token's loss mask (a term predicting past the row's end takes the row's last token's)."""
+    last = loss_mask_BT.shape[1] - 1
+    return loss_mask_BT[:, jnp.minimum(jnp.arange(length) + shift, last)].astype(jnp.float32)
+
+
+def masked_mean(x, weights):
+    """The mean of `x` over the terms with weight 1 (0 when no term has weight)."""
+    weights = jnp.broadcast_to(weights, x.shape)
+    return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
 def cross_entropy(logits_xV, labels_x):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits_xV), labels_x[..., None], axis=-1)[..., 0]
 

@@ -77,17 +77,17 @@ def feature_taps(meta: dict, cfg) -> tuple[int, ...]:
 
 
 def loss_fn(meta: dict, config, graphdef, target):
-    """`loss(head_params, target_params, tokens, feats, key) -> (loss, metrics)` for the configured method;
-    `feats=None` computes the target's features online."""
+    """`loss(head_params, target_params, tokens, loss_mask, feats, key) -> (loss, metrics)` for the configured
+    method; `feats=None` computes the target's features online."""
     cfg, target_graphdef = target[0], target[1]
     h = config.heads
     taps = feature_taps(meta, cfg)
 
-    def loss(params, target_params, tokens, feats, key):
+    def loss(params, target_params, tokens, loss_mask, feats, key):
         if feats is None:
             feats = losses.target_features(cfg, target_graphdef, target_params, tokens, taps)
         full = heads.drafter_params(meta, params, cfg, target_params)
-        return registry.trained(meta["method"]).loss(graphdef, cfg, full, feats, tokens, key, h)
+        return registry.trained(meta["method"]).loss(graphdef, cfg, full, feats, tokens, loss_mask, key, h)
 
     return loss
 
@@ -207,8 +207,9 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         record_config(config, workdir, target_id, resuming=manager.latest_step() is not None)
 
     # every process reads (or makes) the corpus, process 0 caches it
-    tokens = data.load_corpus(config, target, tokenizer, target_id, write=sharding.is_main())
-    shape = registry.trained(config.method).shape_of(config.heads, cfg, tokens)
+    corpus = data.load_corpus(config, target, tokenizer, target_id, write=sharding.is_main())
+    trained_tokens = corpus.tokens[corpus.loss_mask == 1]  # what the heads learn to predict
+    shape = registry.trained(config.method).shape_of(config.heads, cfg, trained_tokens)
     meta = heads.describe(config.method, shape, cfg)
     with sharding.main_first(
         "heads record"
@@ -217,8 +218,9 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     taps = feature_taps(meta, cfg)
     store = None
     if config.data.features == "store":
-        store = _feature_store(config, target, tokens, target_id, taps)
-        tokens = store.tokens
+        store = _feature_store(config, target, corpus, target_id, taps)
+        corpus = data.Corpus(store.tokens, store.loss_mask)
+    tokens, loss_mask = corpus
     if len(tokens) < t.batch_size:
         raise data.DataError(
             f"the corpus holds {len(tokens)} sequences of {config.data.seq_len} tokens, fewer than one batch "
@@ -236,9 +238,9 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     loss = loss_fn(meta, config, graphdef, target)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, target_params, tokens, feats, key, step, first_bad):
+    def train_step(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad):
         (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
-            params, target_params, tokens, feats, key
+            params, target_params, tokens, loss_mask, feats, key
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
@@ -305,6 +307,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
             rows = data.batch_indices(position, t.batch_size, len(tokens), config.seed)
             # each process reads the rows of its own devices only
             batch = sharding.global_array(batch_sharding, (len(rows), width), lambda i: tokens[rows[i]])
+            mask = sharding.global_array(batch_sharding, (len(rows), width), lambda i: loss_mask[rows[i]])
             window_tokens += batch.size
             feats = None
             if store is not None:
@@ -312,7 +315,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
                 feats = sharding.global_array(batch_sharding, shape, lambda i: store.features(rows[i]))
             key = jax.random.fold_in(jax.random.key(config.seed), step)
             params, opt_state, metrics, first_bad = train_step(
-                params, opt_state, target_params, batch, feats, key, step + 1, first_bad
+                params, opt_state, target_params, batch, mask, feats, key, step + 1, first_bad
             )
             step, position = step + 1, position + t.batch_size
             if step % t.checkpoint_every == 0:
@@ -335,12 +338,12 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     return {"step": step, **last}
 
 
-def _feature_store(config, target, tokens, target_id: str, taps: tuple[int, ...] = ()):
+def _feature_store(config, target, corpus: data.Corpus, target_id: str, taps: tuple[int, ...] = ()):
     """Opens `config.data.store`, building it first (once) from the frozen target; a store built from another
     target, other tokens or other feature layers is refused."""
     cfg, graphdef, params = target
     folder = Path(config.data.store).absolute()
-    provenance = data.store_provenance(target_id, tokens, taps=taps)
+    provenance = data.store_provenance(target_id, corpus, taps=taps)
     if not (folder / data.MANIFEST).exists():
         if jax.process_count() > 1:
             raise data.DataError(
@@ -348,7 +351,7 @@ def _feature_store(config, target, tokens, target_id: str, taps: tuple[int, ...]
                 "train with data.features='online')"
             )
         features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t, taps))
-        manifest = data.build_feature_store(folder, tokens, features, provenance=provenance)
+        manifest = data.build_feature_store(folder, corpus, features, provenance=provenance)
         logging.info(
             "feature store %s: %d sequences, %d bytes per token",
             folder,

@@ -13,7 +13,11 @@ $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test bench heads
+$(VENV)/.tables: $(VENV)/.base
+	$(PY) -m pip install -q -e '.[tables]'
+	touch $@
+
+.PHONY: demo test bench heads tables
 demo: $(VENV)/.base
 	$(PY) run_decode.py
 
@@ -24,6 +28,11 @@ test: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) -m experiments.bench_ar
+
+# The paper-style tables and plots (Leviathan's Theorem 3.8, every drafter by prompt category, heads, sweeps) into
+# results/, each file stamped with commit, date, device and command.
+tables: $(VENV)/.tables
+	$(PY) -m experiments.tables
 
 # Speculative decoding on stories260K expanded to a memory-bound 372 MB target (synthetic cost, real distribution):
 # verify-cost curve, bandwidth and FLOP/s, every drafter at T=0/1 and batch 1/4 (about an hour on 2 busy cores).

@@ -15,7 +15,8 @@ tau counts one more token over one more pass). transformers matches n-grams of l
 columns are given for the chains with min_ngram = 1. Both sides decode exactly `new_tokens` tokens, EOS
 included (specjax `eos_id=None`, transformers `eos_token_id=None`). Retrieval's datastore: no story corpus is
 available offline, so it holds `--corpus_tokens` tokens that stories260K itself sampled (T=1) from other openings
-(`corpus`); layer-skip runs the layers its `--layers=auto` search chose on stories260K (LAYER_SKIP).
+(`common.story_datastore`); layer-skip runs the layers its `--layers=auto` search chose on stories260K
+(`common.LAYER_SKIP`).
 Writes results/bench_drafters.{md,csv} (--smoke: bench_drafters_smoke, a few tokens on 2 prompts).
 """
 
@@ -34,8 +35,7 @@ from absl import flags, logging
 
 from experiments import common
 from specjax import cli
-from specjax.datastore import Datastore
-from specjax.decoding import GenerateSpec, compile_decode, generate
+from specjax.decoding import GenerateSpec, compile_decode
 from specjax.drafters import registry
 from specjax.drafters.ngram import NGram
 from specjax.drafters.retrieval import Retrieval
@@ -58,34 +58,8 @@ flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
 FLAGS = flags.FLAGS
 
 FREE = common.STORY_OPENINGS
-STORIES = [
-    "Once upon a time, there was a dog named Max. Max loved to play with his red ball in the park. "
-    "One day, Max lost his ball. He looked under the big tree and found it.",
-    "Lily had a pretty doll. She took the doll everywhere. One day, Lily and her mom went to the store. "
-    "Lily held her doll and smiled.",
-    "Tom saw a little bird in the garden. The bird was sad because it could not fly. "
-    "Tom gave the bird some water and the bird was happy.",
-    "Sue and Ben went to the beach. They made a big sand castle. A wave came and the castle fell. "
-    "Sue and Ben laughed and made a new castle.",
-    "There was a cat named Kitty. Kitty liked to sleep in the sun. One day, Kitty saw a mouse. "
-    "Kitty ran after the mouse, but the mouse was fast.",
-    "Anna wanted to bake a cake for her mom. She put sugar and eggs in a bowl. "
-    "Anna was happy when her mom ate the cake.",
-    "Once upon a time, there was a little boy named Jack. Jack had a toy car. He played with the car "
-    "every day. One day, the car broke and Jack was sad.",
-    "Mia found a shiny rock in the garden. She showed the rock to her dad. Her dad said it was a "
-    "special rock. Mia kept the rock in her box.",
-    "A big bear lived in the forest. The bear was hungry. He looked for honey in a tree. "
-    "The bear found the honey and ate it all.",
-    "Tim and his friend Sam played with a ball. Sam kicked the ball very high. The ball went over "
-    "the fence. Tim and Sam went to get the ball.",
-]
-# The story, then its first sentence again: the model retells it, reusing its names and phrases.
-GROUNDED = [s + "\n" + s.split(". ")[0] + "." for s in STORIES]
+GROUNDED = common.GROUNDED
 CHAIN_DEFAULT = (1, 3)  # n range of the chains with K in 2, 4, 8
-LAYER_SKIP = (
-    "0-1,3-4"  # what `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4)
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,25 +86,13 @@ def registered(name: str, setting: str, k: int, **settings) -> Setting:
     )
 
 
-def corpus(target, n_tokens: int) -> Datastore:
-    """A datastore of stories stories260K sampled itself (T=1, 256 tokens each) from openings that are not
-    benchmark prompts: the nearest to a story corpus available offline."""
-    openings = ["Once", "One day", "There was a", "The little", "In a small town", "A girl", "A boy", "Mom"]
-    prompts = [target.tokenizer.encode(t) for t in openings] * max(1, -(-n_tokens // (256 * len(openings))))
-    gen = generate(
-        target.cfg, target.graphdef, target.params, prompts, GenerateSpec(256, Sampler(1.0)), seed=7
-    )
-    rows = [np.asarray(t)[:n] for t, n in zip(gen.tokens, gen.lengths)]
-    return Datastore.from_tokens(np.concatenate(rows)[:n_tokens])
-
-
 def settings(target, smoke: bool) -> list[Setting]:
     if smoke:
         return [ngram(NGram(2, *CHAIN_DEFAULT)), registered("quantized", "int8, chain K=2", 2, bits=8)]
     chains = [NGram(k, *CHAIN_DEFAULT) for k in (2, 4, 8)]
     ranges = [NGram(4, 1, 1), NGram(4, 2, 4), NGram(4, 1, 6)]
     trees = [NGram(4, 1, 3, branches=3), NGram(8, 1, 3, branches=2)]
-    store = Retrieval.params(corpus(target, FLAGS.corpus_tokens))
+    store = Retrieval.params(common.story_datastore(target, FLAGS.corpus_tokens))
     retrieval = [
         Setting("retrieval", f"{desc}, suffix 1..8", lambda *_, d=d: (d, store))
         for desc, d in [("chain K=4", Retrieval(4)), ("3 branches x K=4", Retrieval(4, branches=3))]
@@ -139,7 +101,7 @@ def settings(target, smoke: bool) -> list[Setting]:
         *map(ngram, chains + ranges + trees),
         *retrieval,
         registered("lookahead", "W=5, N=4, G=5", 3, window=5, guesses=5),
-        registered("layer_skip", f"layers {LAYER_SKIP}, chain K=4", 4, layers=LAYER_SKIP),
+        registered("layer_skip", f"layers {common.LAYER_SKIP}, chain K=4", 4, layers=common.LAYER_SKIP),
         registered("quantized", "int8 per channel, chain K=4", 4, bits=8),
         registered("quantized", "int4 groups of 32, chain K=4", 4, bits=4, group_size=32),
     ]

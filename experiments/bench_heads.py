@@ -19,11 +19,9 @@ from experiments.common import decode_seconds, write_table
 from specjax import cli, heads
 from specjax.decoding import GenerateSpec, generate
 from specjax.drafters import registry
-from specjax.drafters.medusa import medusa_loss
 from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.training.losses import target_features
 from specjax.trees import DynamicTree, medusa_like
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,20 +36,6 @@ flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy
 FLAGS = flags.FLAGS
 
 PROMPTS = common.HEAD_PROMPTS
-
-
-def medusa_accuracy(target, meta, graphdef, params, sequences):
-    feats = target_features(target.cfg, target.graphdef, target.params, sequences)
-    _, metrics = medusa_loss(graphdef, params, feats, sequences, np.ones_like(sequences), 1.0)
-    return [
-        dict(
-            head=i + 1,
-            predicts=f"t+{i + 2}",
-            top1=float(metrics[f"head{i}_top1"]),
-            top5=float(metrics[f"head{i}_top5"]),
-        )
-        for i in range(meta["shape"]["num_heads"])
-    ]
 
 
 def main(argv):
@@ -72,7 +56,7 @@ def main(argv):
     sequences = jnp.asarray(
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
     )
-    accuracy = medusa_accuracy(target, *loaded["medusa"], sequences)
+    accuracy = common.medusa_accuracy(target, *loaded["medusa"], sequences)
     print(
         write_table(
             "bench_heads_accuracy",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import csv
 import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax import results
 from specjax.models.llama import causal_mask, forward, init_cache
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -40,6 +41,70 @@ HEAD_PROMPTS = [
 
 # Free-continuation story openings shared by the drafter and verification benchmarks (10 of the 20).
 STORY_OPENINGS = [HEAD_PROMPTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 9, 11, 13)]
+
+# Short stories for input-grounded prompts (bench_drafters, tables).
+STORIES = [
+    "Once upon a time, there was a dog named Max. Max loved to play with his red ball in the park. "
+    "One day, Max lost his ball. He looked under the big tree and found it.",
+    "Lily had a pretty doll. She took the doll everywhere. One day, Lily and her mom went to the store. "
+    "Lily held her doll and smiled.",
+    "Tom saw a little bird in the garden. The bird was sad because it could not fly. "
+    "Tom gave the bird some water and the bird was happy.",
+    "Sue and Ben went to the beach. They made a big sand castle. A wave came and the castle fell. "
+    "Sue and Ben laughed and made a new castle.",
+    "There was a cat named Kitty. Kitty liked to sleep in the sun. One day, Kitty saw a mouse. "
+    "Kitty ran after the mouse, but the mouse was fast.",
+    "Anna wanted to bake a cake for her mom. She put sugar and eggs in a bowl. "
+    "Anna was happy when her mom ate the cake.",
+    "Once upon a time, there was a little boy named Jack. Jack had a toy car. He played with the car "
+    "every day. One day, the car broke and Jack was sad.",
+    "Mia found a shiny rock in the garden. She showed the rock to her dad. Her dad said it was a "
+    "special rock. Mia kept the rock in her box.",
+    "A big bear lived in the forest. The bear was hungry. He looked for honey in a tree. "
+    "The bear found the honey and ate it all.",
+    "Tim and his friend Sam played with a ball. Sam kicked the ball very high. The ball went over "
+    "the fence. Tim and Sam went to get the ball.",
+]
+# The story, then its first sentence again: the model retells it, reusing its names and phrases.
+GROUNDED = [s + "\n" + s.split(". ")[0] + "." for s in STORIES]
+
+# What `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4).
+LAYER_SKIP = "0-1,3-4"
+
+
+def story_datastore(target, n_tokens: int):
+    """A retrieval datastore of stories stories260K sampled itself (T=1, 256 tokens each) from openings that are
+    not benchmark prompts: the nearest to a story corpus available offline."""
+    from specjax.datastore import Datastore
+    from specjax.decoding import GenerateSpec, generate
+    from specjax.sampling import Sampler
+
+    openings = ["Once", "One day", "There was a", "The little", "In a small town", "A girl", "A boy", "Mom"]
+    prompts = [target.tokenizer.encode(t) for t in openings] * max(1, -(-n_tokens // (256 * len(openings))))
+    gen = generate(
+        target.cfg, target.graphdef, target.params, prompts, GenerateSpec(256, Sampler(1.0)), seed=7
+    )
+    rows = [np.asarray(t)[:n] for t, n in zip(gen.tokens, gen.lengths)]
+    return Datastore.from_tokens(np.concatenate(rows)[:n_tokens])
+
+
+def medusa_accuracy(target, meta, graphdef, params, sequences):
+    """Per Medusa head: top-1 and top-5 accuracy on `sequences` (the Medusa paper's Table 1 layout)."""
+    from specjax.drafters.medusa import medusa_loss
+    from specjax.training.losses import target_features
+
+    feats = target_features(target.cfg, target.graphdef, target.params, sequences)
+    _, metrics = medusa_loss(graphdef, params, feats, sequences, np.ones_like(sequences), 1.0)
+    return [
+        dict(
+            head=i + 1,
+            predicts=f"t+{i + 2}",
+            top1=float(metrics[f"head{i}_top1"]),
+            top5=float(metrics[f"head{i}_top5"]),
+        )
+        for i in range(meta["shape"]["num_heads"])
+    ]
+
 
 # Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
 SHAPES = {
@@ -144,19 +209,5 @@ def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
 
 
 def write_table(name: str, rows: list[dict], title: str) -> str:
-    """Writes results/NAME.md and NAME.csv; returns the markdown table."""
-    RESULTS.mkdir(exist_ok=True)
-    keys = list(rows[0])
-    lines = [f"# {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
-    text = "\n".join(lines) + "\n"
-    (RESULTS / f"{name}.md").write_text(text)
-    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    return text
-
-
-def _fmt(v):
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
+    """Writes RESULTS/NAME.md and NAME.csv, stamped (`specjax.results`); returns the markdown table."""
+    return results.write_table(RESULTS, name, rows, title)

@@ -14,6 +14,8 @@ def summarize(stats) -> dict:
     Counts are on emitted tokens: accepted drafts cut by EOS or max_new_tokens are not accepted (the first
     of them is censored: neither accepted nor reached).
     draft_efficiency: accepted draft tokens / drafted tokens.
+    acceptance_rate: the i.i.d. model's a (Leviathan et al.), estimated as accepted draft tokens / draft
+    positions reached (each reached position a Bernoulli(a) trial).
     """
     hist = np.asarray(stats.accepted_hist)
     k = hist.shape[0] - 1
@@ -25,9 +27,17 @@ def summarize(stats) -> dict:
         "alpha": np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan),
         "hist": hist,
         "draft_efficiency": float(accepted.sum()) / max(k * passes, 1),
+        "acceptance_rate": float(accepted.sum()) / max(int(reached.sum()), 1),
         "target_passes": passes,
         "rounds": int(stats.rounds),
     }
+
+
+def pooled(stats_list) -> dict:
+    """`summarize` of several runs' statistics together (e.g. one per prompt)."""
+    import jax
+
+    return summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats_list))
 
 
 def speedup(ar_seconds: float, spec_seconds: float) -> float:

@@ -1,0 +1,85 @@
+"""`make tables`: Theorem 3.8's table equals the closed form and the simulation agrees with it (a wrong
+acceptance rate does not); `experiments.tables --quick` writes every file, each stamped, each table with its
+columns; files without a stamp or tables with missing columns are caught."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import tables
+from specjax import results
+
+REPO = Path(__file__).resolve().parents[1]
+COLUMNS = {  # the columns each table must have
+    "leviathan_theorem38": [
+        "alpha",
+        "c",
+        *(f"gamma={g}" for g in range(1, 9)),
+        "optimal_gamma",
+        "improvement",
+    ],
+    "leviathan_simulation": ["alpha", "gamma", "c", "exact", "simulated", "ci99", "within"],
+    "main_stories260K": [
+        "method",
+        "setting",
+        "category",
+        "T",
+        "tau",
+        "tok_s",
+        "speedup",
+        "a",
+        "tau_iid",
+        "iid_error",
+    ],
+    "heads_medusa_accuracy": ["head", "predicts", "top1", "top5"],
+    "heads_eagle_acceptance": ["head", "draft", "T", "tau", "alpha_1"],
+    "sweep_k": ["drafter", "K", "tau", "a", "speedup", "analytic_optimum"],
+    "sweep_temperature": ["drafter", "T", "tau"],
+    "sweep_batch": ["drafter", "batch", "ar_tok_s", "spec_tok_s", "speedup"],
+}
+PLOTS = ["leviathan_figure3", "sweeps"]
+
+
+def test_theorem_38_table_is_the_closed_form():
+    rows = {(r["alpha"], r["c"]): r for r in tables.improvement_rows()}
+    for a, c, g in [(0.5, 0.01, 1), (0.7, 0.1, 3), (0.8, 0.05, 8), (0.9, 0.5, 2), (0.6, 0.2, 5)]:
+        closed = (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
+        assert rows[a, c][f"gamma={g}"] == pytest.approx(closed, rel=1e-12)
+    for (a, c), row in rows.items():
+        by_gamma = [(1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)) for g in range(1, 65)]
+        assert row["optimal_gamma"] == 1 + int(np.argmax(by_gamma))
+
+
+def test_simulation_agrees_with_the_theorem_and_a_wrong_rate_does_not():
+    assert all(r["within"] for r in tables.simulation_rows(rounds=100_000))
+    a, g, c = tables.SIMULATED[2]
+    wrong, half = tables.simulate_improvement(a + 0.03, g, c, 100_000)  # negative control
+    assert abs(wrong - tables.analysis.expected_speedup(a, g, c)) > half
+
+
+def test_quick_tables_write_every_file_stamped(tmp_path):
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "experiments.tables", "--quick", f"--results={out}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = sorted(p.name for p in out.iterdir())
+    expected = sorted([f"{n}.{e}" for n in COLUMNS for e in ("md", "csv")] + [f"{n}.png" for n in PLOTS])
+    assert written == expected
+    for path in out.iterdir():
+        stamp = results.read_stamp(path)
+        assert "experiments.tables --quick" in stamp["command"] and stamp["commit"] and stamp["device"]
+    for name, columns in COLUMNS.items():
+        with open(out / f"{name}.csv") as f:
+            header = next(csv.reader(line for line in f if not line.startswith("#")))
+        assert all(c in header for c in columns), f"{name} misses {set(columns) - set(header)}"
+        assert "| " + " | ".join(header) + " |" in (out / f"{name}.md").read_text()
+    # the checks can fail: a file without a stamp, a table whose rows disagree on their columns
+    (tmp_path / "plain.md").write_text("# a table\n\n| a |\n|---|\n| 1 |\n")
+    with pytest.raises(results.ResultsError, match="has no stamp"):
+        results.read_stamp(tmp_path / "plain.md")
+    with pytest.raises(results.ResultsError, match="a row has columns"):
+        results.write_table(tmp_path, "bad", [{"a": 1, "b": 2}, {"a": 1}], "bad")

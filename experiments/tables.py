@@ -10,11 +10,14 @@ Sections:
 - main: the Spec-Bench-style table on stories260K: every drafter at T=0 and T=1 by prompt category (free story
   continuation, input-grounded retelling, long generation), tau, tokens/s, speedup over AR measured side by
   side, and for chains tau against the i.i.d. prediction (1 - a^(K+1)) / (1 - a) from the run's own a.
+- memory_bound: the same methods on stories260K expanded to a memory-bound target (synthetic cost, real
+  distribution; `experiments.bench_memory_bound` at batch 1): its verify-cost curve and every drafter's tau and
+  speedup against the analytic prediction.
 - heads: Medusa's Table 1 (per-head top-1 / top-5 accuracy) and per-depth acceptance alpha_i of EAGLE-2 vs EAGLE-3.
 - sweeps: tau and speedup against K per chain drafter (the analytic optimum marked), against temperature,
   and against batch size (where the speedup crosses 1), with plots.
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
-fixed overhead, its acceptance is real (the memory-bound target's table: `experiments.bench_memory_bound`).
+fixed overhead, its acceptance is real; speed is ranked on the memory-bound target.
 --quick: one prompt per category, a few tokens, a few methods: every file, in about a minute (the test suite).
 """
 
@@ -32,7 +35,7 @@ from specjax.decoding import GenerateSpec
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "heads", "sweeps")
+SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps")
 flags.DEFINE_bool("quick", False, "A run of about a minute that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
@@ -269,6 +272,15 @@ def main_table(out: Path, quick: bool, stamp: dict, target) -> None:
     )
 
 
+def memory_bound(out: Path, quick: bool, stamp: dict) -> None:
+    import dataclasses
+
+    from experiments import bench_memory_bound as bench
+
+    settings = bench.SMOKE if quick else bench.Settings(batches=(1,))
+    bench.run(dataclasses.replace(settings, name="memory_bound"), str(out))
+
+
 # --- heads --------------------------------------------------------------------------------------------------
 
 
@@ -441,7 +453,10 @@ def main(argv):
         cli.fail(f"unknown --sections {unknown}; choose from {list(SECTIONS)}")
     out, stamp = Path(FLAGS.results), results.stamp()
     target = load_model()
-    run = {"leviathan": lambda: leviathan(out, FLAGS.quick, stamp)}
+    run = {
+        "leviathan": lambda: leviathan(out, FLAGS.quick, stamp),
+        "memory_bound": lambda: memory_bound(out, FLAGS.quick, stamp),
+    }
     run |= {
         name: (lambda f=f: f(out, FLAGS.quick, stamp, target))
         for name, f in (("main", main_table), ("heads", head_tables), ("sweeps", sweeps))

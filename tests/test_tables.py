@@ -35,6 +35,24 @@ COLUMNS = {  # the columns each table must have
         "tau_iid",
         "iid_error",
     ],
+    "memory_bound_machine": ["read_GBs", "matmul_GFLOPs"],
+    "memory_bound_curve": ["target", "batch", "T", "ms", "per_T1", "floor_ms", "roof_ms", "bound_over_ms"],
+    "memory_bound_pilot": ["shape", "nodes", "tau_stories260K", "v", "predicted"],
+    "memory_bound_decode": [
+        "batch",
+        "T",
+        "method",
+        "draft",
+        "tau",
+        "a",
+        "c",
+        "v",
+        "tok_s",
+        "speedup",
+        "predicted",
+        "measured_over_predicted",
+        "of_floor",
+    ],  # fmt: skip
     "heads_medusa_accuracy": ["head", "predicts", "top1", "top5"],
     "heads_eagle_acceptance": ["head", "draft", "T", "tau", "alpha_1"],
     "sweep_k": ["drafter", "K", "tau", "a", "speedup", "analytic_optimum"],
@@ -77,6 +95,10 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
             header = next(csv.reader(line for line in f if not line.startswith("#")))
         assert all(c in header for c in columns), f"{name} misses {set(columns) - set(header)}"
         assert "| " + " | ".join(header) + " |" in (out / f"{name}.md").read_text()
+    with open(out / "memory_bound_decode.csv") as f:
+        decode = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert [r["method"] for r in decode] == ["AR", "draft model", "eagle"]
+    assert all(float(r["tok_s"]) > 0 and float(r["tau"]) >= 1 for r in decode)
     # the checks can fail: a file without a stamp, a table whose rows disagree on their columns
     (tmp_path / "plain.md").write_text("# a table\n\n| a |\n|---|\n| 1 |\n")
     with pytest.raises(results.ResultsError, match="has no stamp"):

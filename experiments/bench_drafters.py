@@ -23,7 +23,6 @@ Writes results/bench_drafters.{md,csv} (--smoke: bench_drafters_smoke, a few tok
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -150,36 +149,6 @@ def spec_rows(target, prompts, grounded, spec, settings) -> list[dict]:
     return rows
 
 
-def hf_lookup(model, prompts, n: int, temperature: float, k: int | None, max_ngram: int):
-    """(tokens/s, tau) of transformers' generate over the prompts (prompt lookup with K = k; k=None: plain)."""
-    passes = [0]
-    hook = model.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
-    kwargs = dict(max_new_tokens=n, eos_token_id=None, pad_token_id=0, do_sample=temperature > 0)
-    if temperature > 0:
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-    if k is not None:
-        kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=max_ngram)
-    seconds, total_passes, total_new = 0.0, 0, 0
-    try:
-        with torch.inference_mode():
-            for i, p in enumerate(prompts):
-                ids = torch.tensor([p])
-                times = []
-                for r in range(FLAGS.hf_repeats + 1):  # the first run warms up and is counted for tau
-                    torch.manual_seed(1000 * i + r)
-                    passes[0] = 0
-                    start = time.perf_counter()
-                    out = model.generate(ids, **kwargs)
-                    times.append(time.perf_counter() - start)
-                    if r == 0:
-                        total_passes += passes[0]
-                        total_new += out.shape[1] - len(p)
-                seconds += float(np.median(times[1:]))
-    finally:
-        hook.remove()
-    return total_new / seconds, total_new / total_passes
-
-
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -205,7 +174,12 @@ def main(argv):
             d = setting and setting.ngram
             hf = (np.nan, np.nan)
             if FLAGS.hf and (setting is None or (d and d.tree is None and d.min_ngram == 1)):
-                hf = hf_lookup(hf_model, prompts, n, temperature, d and d.k, d.max_ngram if d else 0)
+                lookup = (
+                    {}
+                    if d is None
+                    else dict(prompt_lookup_num_tokens=d.k, max_matching_ngram_size=d.max_ngram)
+                )
+                hf = common.hf_generate(hf_model, prompts, n, temperature, FLAGS.hf_repeats, **lookup)[:2]
             rows.append(
                 dict(
                     drafter=row["drafter"],

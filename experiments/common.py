@@ -106,6 +106,39 @@ def medusa_accuracy(target, meta, graphdef, params, sequences):
     ]
 
 
+def hf_generate(model, prompts, n: int, temperature: float, repeats: int, **kwargs):
+    """(tokens/s, tau, outputs) of transformers' `model.generate(..., **kwargs)` over the prompts, batch 1:
+    medians of `repeats` timed runs after one untimed run, which gives the outputs and tau = new tokens / target
+    forward passes (counted with a forward hook)."""
+    import torch
+
+    passes = [0]
+    hook = model.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    kwargs |= dict(max_new_tokens=n, eos_token_id=None, pad_token_id=0, do_sample=temperature > 0)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    seconds, total_passes, total_new, outputs = 0.0, 0, 0, []
+    try:
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                ids = torch.tensor([p])
+                times = []
+                for r in range(repeats + 1):  # the first run warms up and is counted for tau
+                    torch.manual_seed(1000 * i + r)
+                    passes[0] = 0
+                    start = time.perf_counter()
+                    out = model.generate(ids, **kwargs)
+                    times.append(time.perf_counter() - start)
+                    if r == 0:
+                        total_passes += passes[0]
+                        total_new += out.shape[1] - len(p)
+                        outputs.append(out[0, len(p) :].tolist())
+                seconds += float(np.median(times[1:]))
+    finally:
+        hook.remove()
+    return total_new / seconds, total_new / total_passes, outputs
+
+
 # Random-weight Llama shapes of the benchmarks (llama2.c's 15M and 110M TinyStories shapes).
 SHAPES = {
     "llama-15M": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000),

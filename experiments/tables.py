@@ -16,6 +16,9 @@ Sections:
 - heads: Medusa's Table 1 (per-head top-1 / top-5 accuracy) and per-depth acceptance alpha_i of EAGLE-2 vs EAGLE-3.
 - sweeps: tau and speedup against K per chain drafter (the analytic optimum marked), against temperature,
   and against batch size (where the speedup crosses 1), with plots.
+- peers: transformers' PyTorch generation on the same weights and prompts: plain, prompt lookup and assisted
+  generation (assistant: stories260K's first layer) against specjax's AR, n-gram and draft-model decoding;
+  tokens/s, tau and whether the greedy outputs equal specjax AR's.
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
 fixed overhead, its acceptance is real; speed is ranked on the memory-bound target.
 --quick: one prompt per category, a few tokens, a few methods: every file, in about a minute (the test suite).
@@ -35,7 +38,7 @@ from specjax.decoding import GenerateSpec
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps")
+SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers")
 flags.DEFINE_bool("quick", False, "A run of about a minute that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
@@ -433,6 +436,97 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     plt.close(fig)
 
 
+# --- peers --------------------------------------------------------------------------------------------------
+
+
+def peers(out: Path, quick: bool, stamp: dict, target) -> None:
+    import torch
+    import transformers
+
+    from specjax.decoding import generate, speculative_generate
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)  # on 2 shared cores, 2 threads ran stories260K's generate ~10x slower
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
+    assistant.config.num_hidden_layers, assistant.model.layers = 1, assistant.model.layers[:1]
+    texts = (
+        common.STORY_OPENINGS[:1] + common.GROUNDED[:1]
+        if quick
+        else common.STORY_OPENINGS[:5] + common.GROUNDED[:5]
+    )
+    prompts = [target.tokenizer.encode(t) for t in texts]
+    n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
+    model = (target.cfg, target.graphdef, target.params)
+    ours = [  # (method, drafter, settings, transformers' generate arguments of the same method)
+        ("AR", None, {}, {}),
+        ("n-gram K=4, n=1..3", "ngram", {}, dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)),
+        ("draft model (first layer) K=4", "draft_model", {"draft_layers": 1}, {}),
+    ]
+    rows = []
+    for t in (0.0,) if quick else (0.0, 1.0):
+        spec = GenerateSpec(n, Sampler(t), eos_id=None)
+        reference = [np.asarray(generate(*model, [p], spec).tokens[0]).tolist() for p in prompts]
+        for method, name, settings, hf_kwargs in ours:
+            drafter, dparams = (
+                (None, None) if name is None else build(target, name, settings, 4, None, Sampler(t), None)
+            )
+            seconds, stats = common.decode_seconds(*model, prompts, spec, repeats, drafter, dparams)
+            tau = 1.0 if name is None else metrics.pooled(stats)["tau"]
+            same = reference
+            if name is not None:
+                same = [
+                    np.asarray(speculative_generate(*model, drafter, dparams, [p], spec).tokens[0]).tolist()
+                    for p in prompts
+                ]
+            rows.append(
+                dict(
+                    peer="specjax",
+                    method=method,
+                    T=t,
+                    tok_s=len(prompts) * n / seconds,
+                    tau=tau,
+                    same_as_specjax_ar=_same(same, reference, t),
+                )
+            )
+            if name == "draft_model":
+                hf_kwargs = dict(
+                    assistant_model=assistant,
+                    num_assistant_tokens=4,
+                    num_assistant_tokens_schedule="constant",
+                )
+                hf_kwargs |= dict(assistant_confidence_threshold=0.0)
+            tok_s, hf_tau, outputs = common.hf_generate(hf, prompts, n, t, repeats, **hf_kwargs)
+            rows.append(
+                dict(
+                    peer="transformers",
+                    method=method,
+                    T=t,
+                    tok_s=tok_s,
+                    tau=hf_tau,
+                    same_as_specjax_ar=_same(outputs, reference, t),
+                )
+            )
+            logging.info("%s", rows[-1])
+    results.write_table(
+        out,
+        "peers",
+        rows,
+        f"specjax against transformers {transformers.__version__} (PyTorch {torch.__version__}, 1 thread) on the same "
+        f"stories260K weights, {len(prompts)} prompts (half free, half grounded) x {n} tokens, batch 1",
+        "transformers' tau = new tokens / target forward passes (its first pass reads the prompt and verifies a draft; "
+        "specjax's prefill emits the first token only). same_as_specjax_ar: the fraction of prompts whose greedy "
+        "output equals specjax AR's (sampled outputs are not comparable across frameworks).",
+        stamp,
+    )
+
+
+def _same(outputs, reference, temperature: float):
+    if temperature > 0:
+        return float("nan")
+    return float(np.mean([list(o)[: len(r)] == r for o, r in zip(outputs, reference)]))
+
+
 def _decode(model, prompts, spec, drafter=None, dparams=None):
     import jax
 
@@ -459,7 +553,7 @@ def main(argv):
     }
     run |= {
         name: (lambda f=f: f(out, FLAGS.quick, stamp, target))
-        for name, f in (("main", main_table), ("heads", head_tables), ("sweeps", sweeps))
+        for name, f in (("main", main_table), ("heads", head_tables), ("sweeps", sweeps), ("peers", peers))
     }
     for name in FLAGS.sections:
         start = time.perf_counter()

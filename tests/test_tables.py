@@ -58,6 +58,7 @@ COLUMNS = {  # the columns each table must have
     "sweep_k": ["drafter", "K", "tau", "a", "speedup", "analytic_optimum"],
     "sweep_temperature": ["drafter", "T", "tau"],
     "sweep_batch": ["drafter", "batch", "ar_tok_s", "spec_tok_s", "speedup"],
+    "peers": ["peer", "method", "T", "tok_s", "tau", "same_as_specjax_ar"],
 }
 PLOTS = ["leviathan_figure3", "sweeps"]
 
@@ -99,6 +100,11 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
         decode = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert [r["method"] for r in decode] == ["AR", "draft model", "eagle"]
     assert all(float(r["tok_s"]) > 0 and float(r["tau"]) >= 1 for r in decode)
+    with open(out / "peers.csv") as f:
+        peers = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert all(
+        float(r["same_as_specjax_ar"]) == 1.0 for r in peers
+    )  # greedy: the same tokens as specjax AR
     # the checks can fail: a file without a stamp, a table whose rows disagree on their columns
     (tmp_path / "plain.md").write_text("# a table\n\n| a |\n|---|\n| 1 |\n")
     with pytest.raises(results.ResultsError, match="has no stamp"):

@@ -19,6 +19,8 @@ Sections:
 - peers: transformers' PyTorch generation on the same weights and prompts: plain, prompt lookup and assisted
   generation (assistant: stories260K's first layer) against specjax's AR, n-gram and draft-model decoding;
   tokens/s, tau and whether the greedy outputs equal specjax AR's.
+- systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
+  parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
 fixed overhead, its acceptance is real; speed is ranked on the memory-bound target.
 --quick: one prompt per category, a few tokens, a few methods: every file, in about a minute (the test suite).
@@ -38,7 +40,7 @@ from specjax.decoding import GenerateSpec
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers")
+SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "systems")
 flags.DEFINE_bool("quick", False, "A run of about a minute that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
@@ -188,7 +190,7 @@ def methods(quick: bool) -> list[tuple]:
         ("lookahead", "window 4, 4 guesses", "lookahead", {}, 4, None),
         ("medusa", "chain K=4", "medusa", {}, 4, None),
         ("medusa", "tree balanced_2x3", "medusa", {}, 3, "balanced_2x3"),
-        ("eagle (static tree)", "tree medusa60", "eagle", {}, 5, "medusa60"),
+        ("eagle (static tree)", "tree medusa60", "eagle", {}, 4, "medusa60"),
         ("eagle (dynamic tree)", "dynamic 8,6,48", "eagle", {}, 6, "dynamic:8,6,48"),
         ("eagle3", "chain K=6", "eagle3", {}, 6, None),
         ("eagle3", "dynamic 8,6,48", "eagle3", {}, 6, "dynamic:8,6,48"),
@@ -521,6 +523,49 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     )
 
 
+# --- systems ------------------------------------------------------------------------------------------------
+
+
+def systems(out: Path, quick: bool, stamp: dict, target) -> None:
+    import jax
+
+    from specjax.decoding import compile_decode
+
+    model = (target.cfg, target.graphdef, target.params)
+    prompt = target.tokenizer.encode(common.STORY_OPENINGS[0])
+    n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
+    spec = GenerateSpec(n, Sampler(0.0), eos_id=None)
+    datastore = None if quick else common.story_datastore(target, 65_536)
+    shared = {id(x) for x in jax.tree.leaves(target.params)}
+    rows, ar_step = [], None
+    for method, setting, name, settings, k, tree in [("AR", "-", None, {}, 0, None), *methods(quick)]:
+        drafter, dparams = (None, None)
+        if name is not None:
+            drafter, dparams = build(
+                target, name, settings, k, parse_tree(tree or ""), Sampler(0.0), datastore
+            )
+        run, compile_s = compile_decode(*model, [prompt], spec, drafter, dparams)
+        seconds = common.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
+        rounds = n if name is None else int(jax.device_get(run([prompt]).stats.rounds))
+        round_ms = 1e3 * seconds / max(rounds, 1)
+        ar_step = ar_step or round_ms
+        extra = sum(
+            x.nbytes for x in jax.tree.leaves(dparams) if hasattr(x, "nbytes") and id(x) not in shared
+        )
+        rows.append(
+            dict(method=method, setting=setting, compile_s=compile_s, rounds=rounds, round_ms=round_ms)
+            | dict(round_over_ar_step=round_ms / ar_step, extra_param_MB=extra / 1e6)
+        )
+    results.write_table(
+        out,
+        "systems",
+        rows,
+        f"Systems on stories260K (greedy, batch 1, {n} tokens, float32): compile time of the decode loop, time per "
+        "round (one target pass plus the drafter) against one AR step, and parameter bytes beyond the target's",
+        the_stamp=stamp,
+    )
+
+
 def _same(outputs, reference, temperature: float):
     if temperature > 0:
         return float("nan")
@@ -553,7 +598,13 @@ def main(argv):
     }
     run |= {
         name: (lambda f=f: f(out, FLAGS.quick, stamp, target))
-        for name, f in (("main", main_table), ("heads", head_tables), ("sweeps", sweeps), ("peers", peers))
+        for name, f in (
+            ("main", main_table),
+            ("heads", head_tables),
+            ("sweeps", sweeps),
+            ("peers", peers),
+            ("systems", systems),
+        )
     }
     for name in FLAGS.sections:
         start = time.perf_counter()

@@ -59,6 +59,15 @@ COLUMNS = {  # the columns each table must have
     "sweep_temperature": ["drafter", "T", "tau"],
     "sweep_batch": ["drafter", "batch", "ar_tok_s", "spec_tok_s", "speedup"],
     "peers": ["peer", "method", "T", "tok_s", "tau", "same_as_specjax_ar"],
+    "systems": [
+        "method",
+        "setting",
+        "compile_s",
+        "rounds",
+        "round_ms",
+        "round_over_ar_step",
+        "extra_param_MB",
+    ],
 }
 PLOTS = ["leviathan_figure3", "sweeps"]
 

@@ -201,9 +201,10 @@ def build(target, name: str, settings: dict, k: int, tree, sampler, datastore):
     from specjax.drafters import registry
     from specjax.drafters.retrieval import Retrieval
 
+    if name == "retrieval":  # the datastore built once per run (`common.story_datastore`)
+        return Retrieval(k), Retrieval.params(datastore)
     entry = registry.get(name)
-    if name == "retrieval":
-        return entry.build(target, entry.settings(**settings), k, tree, sampler)[0], Retrieval.params(
+    return entry.build(target, entry.settings(**settings), k, tree, sampler)[0], Retrieval.params(
             datastore
         )
     return entry.build(target, entry.settings(**settings), k, tree, sampler)

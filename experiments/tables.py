@@ -204,9 +204,6 @@ def build(target, name: str, settings: dict, k: int, tree, sampler, datastore):
     if name == "retrieval":  # the datastore built once per run (`common.story_datastore`)
         return Retrieval(k), Retrieval.params(datastore)
     entry = registry.get(name)
-    return entry.build(target, entry.settings(**settings), k, tree, sampler)[0], Retrieval.params(
-            datastore
-        )
     return entry.build(target, entry.settings(**settings), k, tree, sampler)
 
 

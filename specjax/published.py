@@ -13,8 +13,13 @@ Medusa-1 (FasterDecoding/Medusa `medusa/model/medusa_model.py`): `config.json` w
 `medusa_num_layers`, and `medusa_lm_head.safetensors` or `medusa_lm_head.pt`: head i is residual blocks
 `{i}.{j}.linear.{weight,bias}` (x + SiLU(W x + b)) then `{i}.{num_layers}.weight` [V, H].
 
-EAGLE-1/2 heads (`fc` 2H -> H, `layers.0.*`) are recognised and refused: their layer 0 has no input_layernorm
-(`cnets1.py`), while specjax's EAGLE head normalises its layer's input, so it cannot hold them exactly.
+EAGLE-1/2 (SafeAILab/EAGLE `eagle/model/cnets1.py`, vLLM `llama_eagle.py`): `config.json` (a one-layer Llama
+config) and `pytorch_model.bin` or `model.safetensors` holding `fc.weight` [H, 2H] (input: concat(embedding,
+feature)) and `fc.bias` (absent: zero), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+`layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`: layer 0 has no
+input_layernorm (its attention reads the fc output as it is), so these load into specjax EAGLE heads of shape
+`{"input_norm": false}`; specjax's own EAGLE heads (which normalise) cannot be exported to this layout. HASS's
+variant (`add_para_norm`) is refused.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ WEIGHTS = {
 }
 MARK = "specjax_export.json"  # marks a directory written by `export_published` (one a later export may replace)
 EAGLE12 = (
-    "its decoder layer 0 skips input_layernorm (SafeAILab/EAGLE cnets1.py) while specjax's EAGLE head always "
-    "normalises its layer's input, so it cannot be loaded exactly; train a specjax EAGLE head or use EAGLE-3"
+    "the published EAGLE-1/2 layout has no input_layernorm in its decoder layer (SafeAILab/EAGLE cnets1.py), while "
+    "this head normalises its layer's input, so the layout cannot hold it; export it as specjax heads "
+    "(heads.export) or train an EAGLE-3 head"
 )
 
 
@@ -110,8 +116,6 @@ def _read_dir(path: Path, method: str) -> tuple[dict, dict, Path]:
             f"{found[0]} holds no published head tensors (midlayer.*, {{i}}.{{j}}.linear.*, fc + layers.0.*); "
             f"pass the directory of a published {method} head"
         )
-    if kind == "eagle":
-        raise CheckpointError(f"{found[0]} is an EAGLE-1/2 head: {EAGLE12}")
     if kind != method:
         raise CheckpointError(f"{found[0]} holds {kind} heads, not {method} heads; pass method={kind!r}")
     return config, tensors, found[0]
@@ -161,13 +165,13 @@ def draft_ids_of(d2t, t2d, vocab_size: int, where="the checkpoint") -> np.ndarra
 
 
 def load_published(path: str | Path, method: str, target_cfg: LlamaConfig, target_params):
-    """(meta, graphdef, params) of a published `method` head ("eagle3", "medusa"; "eagle" is refused) for the
+    """(meta, graphdef, params) of a published `method` head ("eagle3", "eagle" for EAGLE-1/2, "medusa") for the
     target, as `heads.load_heads` returns them."""
     path = Path(path).absolute()
     if method not in WEIGHTS:
         raise ValueError(f"unknown published head method {method!r}; use one of {sorted(WEIGHTS)}")
-    config, tensors, where = _read_dir(path, method)  # refuses EAGLE-1/2 heads
-    load = _load_eagle3 if method == "eagle3" else _load_medusa
+    config, tensors, where = _read_dir(path, method)
+    load = {"eagle3": _load_eagle3, "eagle": _load_eagle, "medusa": _load_medusa}[method]
     return load(config, tensors, where, target_cfg, target_params)
 
 
@@ -199,29 +203,8 @@ def _load_eagle3(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params
             f"{where} has {hf.get('num_hidden_layers')} decoder layers or norm_before_residual=true; specjax's "
             "EAGLE-3 head is one layer keeping the un-normalised feature as its residual"
         )
-    try:
-        theirs = LlamaConfig.from_hf({"model_type": "llama", **hf, "vocab_size": vocab})
-    except (ConfigError, KeyError, TypeError) as err:
-        raise CheckpointError(
-            f"{where.parent / 'config.json'} cannot be read as a Llama layer ({err})"
-        ) from err
-    ours = layer_config(cfg)
-    for name in ("n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps"):
-        _check(where, name, getattr(theirs, name), getattr(ours, name))
-    if not np.array_equal(theirs.inv_freq(), ours.inv_freq()):
-        raise CheckpointError(
-            f"{where} is a head for RoPE theta {theirs.rope_theta} / scaling {theirs.rope_llama3_scaling}, the "
-            f"target has {ours.rope_theta} / {ours.rope_llama3_scaling}: use a head trained for this target"
-        )
-    # the reference drafts with the target's embedding; some files carry a copy of it
-    if "embed_tokens.weight" in t:
-        theirs_e = t["embed_tokens.weight"].astype(np.float32)
-        ours_e = np.asarray(target_io(cfg, target_params)["embed"], np.float32)
-        if theirs_e.shape != ours_e.shape or np.abs(theirs_e - ours_e).max() > 1e-2 * np.abs(ours_e).max():
-            raise CheckpointError(
-                f"{where} carries an embed_tokens.weight unlike the target's embedding; specjax drafts with the "
-                "target's embedding: use a head trained for this target"
-            )
+    _check_layer(hf, where, cfg)
+    _check_embedding(t, where, cfg, target_params)
 
     n_taps = t["fc.weight"].shape[1] // dim
     ids = hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
@@ -252,23 +235,67 @@ def _load_eagle3(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params
     )
     graphdef, fresh = heads.new_heads(meta, cfg, target_params)
 
-    get, a = _getter(t, where), "midlayer.self_attn."
-    h, kv, f = ours.n_heads * ours.head_dim, ours.n_kv_heads * ours.head_dim, ours.hidden_dim
-    qkv = [get(a + f"{p}_proj.weight", (n, 2 * dim)) for p, n in zip("qkv", (h, kv, kv))]
-    gate_up = [get(f"midlayer.mlp.{p}_proj.weight", (f, dim)) for p in ("gate", "up")]
+    get = _getter(t, where)
+    layer = _layer(t, where, cfg, "midlayer.", 2 * dim, fresh["layer"])
+    layer["attn_norm"] = {"weight": get("midlayer.hidden_norm.weight", (dim,))}
+    layer["embed_norm"] = {"weight": get("midlayer.input_layernorm.weight", (dim,))}
+    pure = {
+        "fc": {"weight": get("fc.weight", (dim, n_taps * dim))},
+        "layer": layer,
+        "norm": {"weight": get("norm.weight", (dim,))},
+        "lm_head": {"weight": get("lm_head.weight", (n_draft, dim))},
+    }
+    return meta, graphdef, _fill(fresh, pure)
+
+
+def _check_layer(hf: dict, where: Path, cfg: LlamaConfig) -> None:
+    """A published head's one-layer Llama config must match a layer of the target."""
+    try:
+        theirs = LlamaConfig.from_hf({"model_type": "llama", **hf, "vocab_size": cfg.vocab_size})
+    except (ConfigError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{where.parent / 'config.json'} cannot be read as a Llama layer ({err})"
+        ) from err
+    ours = layer_config(cfg)
+    for name in ("n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps"):
+        _check(where, name, getattr(theirs, name), getattr(ours, name))
+    if not np.array_equal(theirs.inv_freq(), ours.inv_freq()):
+        raise CheckpointError(
+            f"{where} is a head for RoPE theta {theirs.rope_theta} / scaling {theirs.rope_llama3_scaling}, the "
+            f"target has {ours.rope_theta} / {ours.rope_llama3_scaling}: use a head trained for this target"
+        )
+
+
+def _check_embedding(t: dict, where: Path, cfg: LlamaConfig, target_params) -> None:
+    """The reference drafts with the target's embedding; a file carrying a copy of another one is refused."""
+    if "embed_tokens.weight" in t:
+        theirs = t["embed_tokens.weight"].astype(np.float32)
+        ours = np.asarray(target_io(cfg, target_params)["embed"], np.float32)
+        if theirs.shape != ours.shape or np.abs(theirs - ours).max() > 1e-2 * np.abs(ours).max():
+            raise CheckpointError(
+                f"{where} carries an embed_tokens.weight unlike the target's embedding; specjax drafts with the "
+                "target's embedding: use a head trained for this target"
+            )
+
+
+def _layer(t: dict, where: Path, cfg: LlamaConfig, prefix: str, width: int, fresh: dict) -> dict:
+    """A decoder layer's projections (attention input `width` wide), post-attention norm and attention biases
+    from the tensors under `prefix` (`fresh`: the layer's fresh parameters, which say which biases it has)."""
+    get, a, dim = _getter(t, where), prefix + "self_attn.", cfg.dim
+    h, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.hidden_dim
+    qkv = [get(a + f"{p}_proj.weight", (n, width)) for p, n in zip("qkv", (h, kv, kv))]
+    gate_up = [get(f"{prefix}mlp.{p}_proj.weight", (f, dim)) for p in ("gate", "up")]
     layer = {
-        "attn_norm": {"weight": get("midlayer.hidden_norm.weight", (dim,))},
-        "embed_norm": {"weight": get("midlayer.input_layernorm.weight", (dim,))},
-        "mlp_norm": {"weight": get("midlayer.post_attention_layernorm.weight", (dim,))},
+        "mlp_norm": {"weight": get(prefix + "post_attention_layernorm.weight", (dim,))},
         "wqkv": {"weight": np.concatenate(qkv)},
         "wo": {"weight": get(a + "o_proj.weight", (dim, h))},
         "w_gate_up": {"weight": np.concatenate(gate_up)},
-        "w_down": {"weight": get("midlayer.mlp.down_proj.weight", (dim, f))},
+        "w_down": {"weight": get(prefix + "mlp.down_proj.weight", (dim, f))},
     }
     biases = {"wqkv": [a + f"{p}_proj.bias" for p in "qkv"], "wo": [a + "o_proj.bias"]}
     for mod, names in biases.items():
         given = [t.get(n) for n in names]
-        if "bias" in fresh["layer"][mod]:
+        if "bias" in fresh[mod]:
             sizes = (h, kv, kv) if mod == "wqkv" else (dim,)
             layer[mod]["bias"] = np.concatenate(
                 [
@@ -281,11 +308,33 @@ def _load_eagle3(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params
                 f"{where} has nonzero {' / '.join(names)}, which this target's layer (no such bias) cannot hold: "
                 "use a head trained for this target"
             )
+    return layer
+
+
+def _load_eagle(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
+    dim = cfg.dim
+    _check(where, "hidden size", t["fc.weight"].shape[0], dim)
+    _check(where, "hidden size", hf.get("hidden_size"), dim)
+    _check(where, "a vocabulary of", hf.get("vocab_size"), cfg.vocab_size)
+    if hf.get("num_hidden_layers", 1) != 1 or hf.get("add_para_norm"):
+        raise CheckpointError(
+            f"{where} has {hf.get('num_hidden_layers')} decoder layers or HASS's extra norms (add_para_norm); "
+            "specjax's EAGLE head is one decoder layer reading fc(concat(embedding, feature))"
+        )
+    if "layers.0.input_layernorm.weight" in t:
+        raise CheckpointError(
+            f"{where} has a layers.0.input_layernorm, which the published EAGLE-1/2 layer does not: it is another "
+            "layout; pass the directory of a SafeAILab/EAGLE head"
+        )
+    _check_layer(hf, where, cfg)
+    _check_embedding(t, where, cfg, target_params)
+    meta = heads.describe("eagle", {"input_norm": False}, cfg)
+    graphdef, fresh = heads.new_heads(meta, cfg, target_params)
+    get = _getter(t, where)
+    bias = get("fc.bias", (dim,)) if "fc.bias" in t else np.zeros(dim, np.float32)
     pure = {
-        "fc": {"weight": get("fc.weight", (dim, n_taps * dim))},
-        "layer": layer,
-        "norm": {"weight": get("norm.weight", (dim,))},
-        "lm_head": {"weight": get("lm_head.weight", (n_draft, dim))},
+        "fc": {"weight": get("fc.weight", (dim, 2 * dim)), "bias": bias},
+        "layer": _layer(t, where, cfg, "layers.0.", dim, fresh["layer"]),
     }
     return meta, graphdef, _fill(fresh, pure)
 
@@ -324,41 +373,36 @@ def _is_export(path: Path) -> bool:
         return False
 
 
-def _eagle3_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
-    shape, layer = meta["shape"], p["layer"]  # numpy arrays
+def _layer_tensors(layer: dict, prefix: str, cfg: LlamaConfig) -> dict:
+    """The published tensors of a decoder layer (inverse of `_layer`), attention biases included if it has any."""
     h, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     q, k, v = np.split(layer["wqkv"]["weight"], [h, h + kv])
     gate, up = np.split(layer["w_gate_up"]["weight"], 2)
-    ids = shape["draft_ids"] if shape["draft_ids"] is not None else range(cfg.vocab_size)
-    d2t, t2d = d2t_t2d(ids, cfg.vocab_size)
-    a = "midlayer.self_attn."
+    a = prefix + "self_attn."
     t = {
-        "fc.weight": p["fc"]["weight"],
         a + "q_proj.weight": q,
         a + "k_proj.weight": k,
         a + "v_proj.weight": v,
         a + "o_proj.weight": layer["wo"]["weight"],
-        "midlayer.mlp.gate_proj.weight": gate,
-        "midlayer.mlp.up_proj.weight": up,
-        "midlayer.mlp.down_proj.weight": layer["w_down"]["weight"],
-        "midlayer.input_layernorm.weight": layer["embed_norm"]["weight"],
-        "midlayer.hidden_norm.weight": layer["attn_norm"]["weight"],
-        "midlayer.post_attention_layernorm.weight": layer["mlp_norm"]["weight"],
-        "norm.weight": p["norm"]["weight"],
-        "lm_head.weight": p["lm_head"]["weight"],
-        "d2t": d2t,
-        "t2d": t2d,
+        prefix + "mlp.gate_proj.weight": gate,
+        prefix + "mlp.up_proj.weight": up,
+        prefix + "mlp.down_proj.weight": layer["w_down"]["weight"],
+        prefix + "post_attention_layernorm.weight": layer["mlp_norm"]["weight"],
     }
-    bias = "bias" in layer["wqkv"] or "bias" in layer["wo"]
-    if bias:  # attention_bias (the Llama config's switch) puts a bias on q, k, v and o
-        zeros = lambda n: np.zeros(n, t["fc.weight"].dtype)
+    if "bias" in layer["wqkv"] or "bias" in layer["wo"]:  # attention_bias puts a bias on q, k, v and o
+        zeros = lambda n: np.zeros(n, q.dtype)
         qkv_b = layer["wqkv"]["bias"] if "bias" in layer["wqkv"] else zeros(h + 2 * kv)
         for name, part in zip("qkv", np.split(qkv_b, [h, h + kv])):
             t[a + f"{name}_proj.bias"] = part
         t[a + "o_proj.bias"] = layer["wo"]["bias"] if "bias" in layer["wo"] else zeros(cfg.dim)
+    return t
+
+
+def _layer_config(cfg: LlamaConfig, architecture: str, bias: bool, dtype) -> dict:
+    """config.json of a one-layer head for the target `cfg`."""
     rope = cfg.to_hf()["rope_parameters"]
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+    return {
+        "architectures": [architecture],
         "model_type": "llama",
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -378,11 +422,41 @@ def _eagle3_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
         "bos_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_id,
         "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": len(d2t),
-        "eagle_aux_hidden_state_layer_ids": [int(j) + 1 for j in shape["layers"]],
-        "torch_dtype": str(t["fc.weight"].dtype),
+        "torch_dtype": str(dtype),
     }
+
+
+def _eagle3_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
+    shape, layer = meta["shape"], p["layer"]  # numpy arrays
+    ids = shape["draft_ids"] if shape["draft_ids"] is not None else range(cfg.vocab_size)
+    d2t, t2d = d2t_t2d(ids, cfg.vocab_size)
+    t = {
+        "fc.weight": p["fc"]["weight"],
+        **_layer_tensors(layer, "midlayer.", cfg),
+        "midlayer.input_layernorm.weight": layer["embed_norm"]["weight"],
+        "midlayer.hidden_norm.weight": layer["attn_norm"]["weight"],
+        "norm.weight": p["norm"]["weight"],
+        "lm_head.weight": p["lm_head"]["weight"],
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    bias = "midlayer.self_attn.o_proj.bias" in t
+    config = _layer_config(cfg, "LlamaForCausalLMEagle3", bias, t["fc.weight"].dtype)
+    config["draft_vocab_size"] = len(d2t)
+    config["eagle_aux_hidden_state_layer_ids"] = [int(j) + 1 for j in shape["layers"]]
     return t, config
+
+
+def _eagle_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
+    if meta["shape"].get("input_norm", True):
+        raise ValueError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
+    t = {
+        "fc.weight": p["fc"]["weight"],
+        "fc.bias": p["fc"]["bias"],
+        **_layer_tensors(p["layer"], "layers.0.", cfg),
+    }
+    bias = "layers.0.self_attn.o_proj.bias" in t
+    return t, _layer_config(cfg, "LlamaForCausalLM", bias, t["fc.weight"].dtype)
 
 
 def _medusa_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
@@ -406,27 +480,27 @@ def _medusa_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
 def export_published(
     meta: dict, params, dest: str | Path, target_cfg: LlamaConfig, base_model: str | None = None
 ):
-    """Writes specjax `meta`/`params` heads to `dest` in the published layout: EAGLE-3 as `model.safetensors` +
-    `config.json`, Medusa as `medusa_lm_head.safetensors` + `config.json` (`base_model`: the target's name for
-    `base_model_name_or_path`). Written beside `dest` and renamed into place; an existing `dest` is replaced only
-    if it is empty or a previous export (files.DestinationError otherwise). Returns `dest`."""
+    """Writes specjax `meta`/`params` heads to `dest` in the published layout: EAGLE-3 and EAGLE-1/2 (heads of
+    shape `{"input_norm": false}` only) as `model.safetensors` + `config.json`, Medusa as
+    `medusa_lm_head.safetensors` + `config.json` (`base_model`: the target's name for `base_model_name_or_path`).
+    Written beside `dest` and renamed into place; an existing `dest` is replaced only if it is empty or a previous
+    export (files.DestinationError otherwise). Returns `dest`."""
     from safetensors.numpy import save_file
 
     method = meta["method"]
-    if method == "eagle":
-        raise ValueError(f"EAGLE-1/2 heads cannot be exported to the published layout: {EAGLE12}")
-    if method not in ("eagle3", "medusa"):
-        raise ValueError(f"{method} heads have no published layout; export eagle3 or medusa heads")
+    if method not in WEIGHTS:
+        raise ValueError(f"{method} heads have no published layout; export eagle3, eagle or medusa heads")
     if meta["target"] != heads.target_signature(target_cfg):
         raise ValueError(
             f"these heads were trained for target {meta['target']}, not {heads.target_signature(target_cfg)}: "
             "pass the config of the target they were trained for"
         )
     params = jax.tree.map(np.asarray, params)
-    tensors, config = (_eagle3_files if method == "eagle3" else _medusa_files)(meta, params, target_cfg)
+    files_of = {"eagle3": _eagle3_files, "eagle": _eagle_files, "medusa": _medusa_files}[method]
+    tensors, config = files_of(meta, params, target_cfg)
     if base_model and method == "medusa":
         config["base_model_name_or_path"] = base_model
-    weights = "model.safetensors" if method == "eagle3" else "medusa_lm_head.safetensors"
+    weights = "medusa_lm_head.safetensors" if method == "medusa" else "model.safetensors"
     dest = Path(dest).absolute()
     with files.atomic_dir(dest, replaceable=_is_export, what="published heads export") as tmp:
         save_file(

@@ -1,6 +1,7 @@
 """Published drafting heads: EAGLE-3 and Medusa checkpoints in their authors' layouts (SafeAILab/EAGLE cnets.py,
 FasterDecoding/Medusa medusa_model.py) load into specjax heads that give the logits of the reference arithmetic,
-written out here; export -> load is the identity; mismatched heads, EAGLE-1/2 heads and unsafe files are refused."""
+and EAGLE-1/2 heads (whose layer has no input norm) written out here; export -> load is the identity; mismatched
+heads and unsafe files are refused."""
 
 import json
 
@@ -10,15 +11,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TINY
-from helpers import TARGET
+from helpers import TARGET, greedy_case
 from safetensors.numpy import load_file, save_file
 
 from specjax import files, heads, published
+from specjax.decoding import speculative_generate
 from specjax.drafters.base import target_io
 from specjax.drafters.medusa import medusa_logits
 from specjax.models.llama import causal_mask, init_cache
 from specjax.models.weights import CheckpointError
 from specjax.sampling import Sampler
+from specjax.trees import DynamicTree
 
 H, V, T = TINY.dim, TINY.vocab_size, 6
 EMBED = np.asarray(target_io(TINY, TARGET[1])["embed"], np.float64)
@@ -402,26 +405,126 @@ def test_missing_weights_and_unknown_files_are_refused(tmp_path):
         published.load_published(tmp_path, "eagle3", TINY, TARGET[1])
 
 
-def test_eagle12_heads_are_refused(tmp_path):
-    """EAGLE-1/2's layer 0 has no input_layernorm; specjax's EAGLE head normalises, so it cannot hold one."""
-    rng = np.random.default_rng(4)
+def eagle12_checkpoint(rng, bias=True, cfg=TINY):
+    """(tensors, config.json) of an EAGLE-1/2 head as SafeAILab/EAGLE (cnets1.py) saves it: no input_layernorm."""
+    d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    a = "layers.0.self_attn."
     t = {
-        "fc.weight": randn(rng, H, 2 * H),
-        "fc.bias": randn(rng, H),
-        "layers.0.self_attn.q_proj.weight": randn(rng, H, H),
-        "layers.0.post_attention_layernorm.weight": randn(rng, H),
+        "fc.weight": randn(rng, d, 2 * d),
+        a + "q_proj.weight": randn(rng, q, d),
+        a + "k_proj.weight": randn(rng, kv, d),
+        a + "v_proj.weight": randn(rng, kv, d),
+        a + "o_proj.weight": randn(rng, d, q),
+        "layers.0.mlp.gate_proj.weight": randn(rng, f, d),
+        "layers.0.mlp.up_proj.weight": randn(rng, f, d),
+        "layers.0.mlp.down_proj.weight": randn(rng, d, f),
+        "layers.0.post_attention_layernorm.weight": 1 + randn(rng, d),
     }
-    write(
-        tmp_path, t, {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 1}, "pytorch_model.bin"
+    if bias:
+        t["fc.bias"] = randn(rng, d)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+    }
+    return t, config
+
+
+def reference_eagle12(t, config, tokens, feats):
+    """EAGLE-1/2's head on (token i + 1, final feature i): predicted features through the target's LM head."""
+    g = lambda name: np.asarray(t[name], np.float64)
+    nh, nkv, n = config["num_attention_heads"], config["num_key_value_heads"], len(tokens)
+    hd, a = config["hidden_size"] // nh, "layers.0.self_attn."
+    x = np.concatenate([EMBED[tokens], feats], -1) @ g("fc.weight").T + (
+        g("fc.bias") if "fc.bias" in t else 0
     )
-    for method in ("eagle", "eagle3"):
-        with pytest.raises(
-            CheckpointError, match="EAGLE-1/2 head: its decoder layer 0 skips input_layernorm"
-        ):
-            published.load_published(tmp_path, method, TINY, TARGET[1])
-    meta = heads.describe("eagle", {}, TINY)
-    with pytest.raises(ValueError, match="EAGLE-1/2 heads cannot be exported"):
-        published.export_published(meta, heads.new_heads(meta, TINY, TARGET[1])[1], tmp_path / "out", TINY)
+    q = rope((x @ g(a + "q_proj.weight").T).reshape(n, nh, hd), config["rope_theta"])  # no input norm
+    k = rope((x @ g(a + "k_proj.weight").T).reshape(n, nkv, hd), config["rope_theta"]).repeat(
+        nh // nkv, axis=1
+    )
+    v = (x @ g(a + "v_proj.weight").T).reshape(n, nkv, hd).repeat(nh // nkv, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.where(np.tril(np.ones((n, n))), 0, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x = x + np.einsum("hqk,khd->qhd", p, v).reshape(n, nh * hd) @ g(a + "o_proj.weight").T
+    m = rms(x, g("layers.0.post_attention_layernorm.weight"))
+    x = (
+        x
+        + (silu(m @ g("layers.0.mlp.gate_proj.weight").T) * (m @ g("layers.0.mlp.up_proj.weight").T))
+        @ g("layers.0.mlp.down_proj.weight").T
+    )
+    return x @ np.asarray(target_io(TINY, TARGET[1])["unembed"], np.float64).T
+
+
+@pytest.mark.parametrize(
+    "name, bias",
+    [("pytorch_model.bin", True), ("model.safetensors", False)],
+    ids=["torch-bin", "safetensors-no-fc-bias"],
+)
+def test_eagle12_logits_equal_reference(tmp_path, name, bias):
+    rng = np.random.default_rng(4)
+    t, config = eagle12_checkpoint(rng, bias)
+    t["embed_tokens.weight"] = EMBED.astype(np.float32)  # EAGLE's module holds a copy of the target's
+    meta, graphdef, params = published.load_published(
+        write(tmp_path, t, config, name), "eagle", TINY, TARGET[1]
+    )
+    assert meta["shape"] == {"input_norm": False}
+    d = heads.make_drafter(meta, graphdef, TINY, 2, Sampler())
+    dparams = heads.drafter_params(meta, params, TINY, TARGET[1])
+    tokens, feats = rng.integers(0, V, T), rng.normal(0, 1, (T, H))
+    logits, _, _ = d.apply(
+        dparams,
+        jnp.asarray(tokens[None]),
+        jnp.asarray(feats[None], jnp.float32),
+        jnp.arange(T)[None],
+        init_cache(d.layer_cfg, 1, T),
+        causal_mask(T),
+    )
+    want = reference_eagle12(t, config, tokens, feats)
+    np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=1e-4, atol=1e-4)
+    # a control: the same weights through specjax's own (normalising) layer give other logits
+    own = heads.describe("eagle", {}, TINY)
+    normed = heads.make_drafter(own, heads.new_heads(own, TINY, TARGET[1])[0], TINY, 2, Sampler())
+    params_normed = {**params, "layer": {**params["layer"], "attn_norm": {"weight": jnp.ones(H)}}}
+    other, _, _ = normed.apply(
+        heads.drafter_params(own, params_normed, TINY, TARGET[1]),
+        jnp.asarray(tokens[None]),
+        jnp.asarray(feats[None], jnp.float32),
+        jnp.arange(T)[None],
+        init_cache(d.layer_cfg, 1, T),
+        causal_mask(T),
+    )
+    assert np.abs(np.asarray(other[0]) - want).max() > 1e-2
+    # export -> load is the identity; specjax's own EAGLE heads (which normalise) have no such layout
+    dest = published.export_published(meta, params, tmp_path / "export", TINY)
+    assert "layers.0.input_layernorm.weight" not in load_file(str(dest / "model.safetensors"))
+    loaded_meta, _, loaded = published.load_published(dest, "eagle", TINY, TARGET[1])
+    assert loaded_meta == meta
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    with pytest.raises(ValueError, match="this EAGLE head cannot be exported to the published layout"):
+        published.export_published(own, heads.new_heads(own, TINY, TARGET[1])[1], tmp_path / "out", TINY)
+
+
+def test_published_eagle12_head_decodes_exactly(tmp_path):
+    """Greedy decoding with a loaded EAGLE-1/2 head (random weights) gives AR's tokens, chain and dynamic tree."""
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
+    t, config = eagle12_checkpoint(np.random.default_rng(7))
+    path = write(tmp_path, t, config, "model.safetensors")
+    meta, hgraph, hparams = published.load_published(path, "eagle", cfg, params)
+    for tree in (None, DynamicTree(3, 3, 8)):
+        d = heads.make_drafter(meta, hgraph, cfg, 3, Sampler(), tree)
+        out = speculative_generate(
+            cfg, graphdef, params, d, heads.drafter_params(meta, hparams, cfg, params), prompts, spec
+        )
+        np.testing.assert_array_equal(np.asarray(out.tokens), ar)
 
 
 def test_torch_files_need_torch(tmp_path, monkeypatch):
@@ -432,3 +535,23 @@ def test_torch_files_need_torch(tmp_path, monkeypatch):
         CheckpointError, match="needs torch: install torch, or convert the file to safetensors"
     ):
         published.load_published(tmp_path, "medusa", TINY, TARGET[1])
+
+
+@pytest.mark.parametrize(
+    "method, edit, match",
+    [
+        ("eagle", lambda t, c: (t, c | {"hidden_size": 16}), "hidden size 16, the target has 32"),
+        (
+            "eagle",
+            lambda t, c: (t | {"layers.0.input_layernorm.weight": np.ones(H, np.float32)}, c),
+            "has a layers.0.input_layernorm",
+        ),
+        ("eagle", lambda t, c: (t, c | {"add_para_norm": True}), "HASS's extra norms"),
+        ("eagle3", lambda t, c: (t, c), "holds eagle heads, not eagle3 heads; pass method='eagle'"),
+    ],
+    ids=["hidden-size", "input-layernorm", "hass", "as-eagle3"],
+)
+def test_foreign_eagle12_heads_are_refused(tmp_path, method, edit, match):
+    t, config = edit(*eagle12_checkpoint(np.random.default_rng(8)))
+    with pytest.raises(CheckpointError, match=match):
+        published.load_published(write(tmp_path, t, config, "pytorch_model.bin"), method, TINY, TARGET[1])

@@ -4,6 +4,8 @@ At position i it reads concat(embedding(token i + 1), feature i) -> linear 2H ->
 target's architecture -> predicted feature i + 1, which the target's frozen LM head turns into a token.
 While drafting it feeds its own predicted features; after verification it re-reads the accepted tokens
 with the target's true features. Embedding and LM head are the target's (frozen, not stored with the head).
+specjax's heads normalise the layer's input; the heads the EAGLE authors publish do not (their layer 0 skips its
+input_layernorm): the head shape `{"input_norm": false}` holds those (`specjax.published`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,21 @@ from specjax.training import losses
 from specjax.trees import DynamicTree, Tree
 
 
+class RawInputBlock(Block):
+    """A decoder layer whose attention reads its input without the input norm (the published EAGLE-1/2 layer)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, rngs: nnx.Rngs):
+        super().__init__(cfg, layer, rngs)
+        del self.attn_norm
+
+    def __call__(self, x_BTH, cos, sin, cache, visible_BTS, offset: int):
+        return self.finish(x_BTH, self.wqkv(x_BTH), cos, sin, cache, visible_BTS, offset)
+
+
 class EagleHead(nnx.Module):
-    def __init__(self, layer_cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, layer_cfg: LlamaConfig, rngs: nnx.Rngs, input_norm: bool = True):
         self.fc = Linear(2 * layer_cfg.dim, layer_cfg.dim, True, jnp.dtype(layer_cfg.dtype), rngs)
-        self.layer = Block(layer_cfg, 0, rngs)
+        self.layer = (Block if input_norm else RawInputBlock)(layer_cfg, 0, rngs)
         self.inv_freq = tuple(float(f) for f in layer_cfg.inv_freq())
 
     def __call__(self, embeds_BTH, feats_BTH, positions_BT, cache, mask_BTW):
@@ -45,9 +58,9 @@ def layer_config(target_cfg: LlamaConfig) -> LlamaConfig:
     return target_cfg.replace(n_layers=1)
 
 
-def init_eagle(target_cfg: LlamaConfig, seed: int = 0):
-    """(graphdef, params as a pure dict) of a fresh head."""
-    graphdef, state = nnx.split(EagleHead(layer_config(target_cfg), nnx.Rngs(seed)))
+def init_eagle(target_cfg: LlamaConfig, seed: int = 0, input_norm: bool = True):
+    """(graphdef, params as a pure dict) of a fresh head (`input_norm=False`: the published EAGLE-1/2 layer)."""
+    graphdef, state = nnx.split(EagleHead(layer_config(target_cfg), nnx.Rngs(seed), input_norm))
     return graphdef, nnx.to_pure_dict(state)
 
 
@@ -188,7 +201,7 @@ heads.register(
     "eagle",
     registry.TrainedHeads(
         settings=EagleTraining,
-        init=lambda shape, cfg, target_params, seed: init_eagle(cfg, seed),
+        init=lambda shape, cfg, target_params, seed: init_eagle(cfg, seed, shape.get("input_norm", True)),
         drafter_params=lambda shape, params, cfg, target_params: {
             "head": params,
             **target_io(cfg, target_params),

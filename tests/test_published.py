@@ -56,6 +56,24 @@ def write(path, tensors, config, name):
     return path
 
 
+def one_layer_config(cfg, architecture: str) -> dict:
+    """config.json of a one-layer head for `cfg`, as the authors' training scripts write it."""
+    return {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+    }
+
+
 def eagle3_checkpoint(rng, draft=DRAFT, layer_ids=(2, 1, 1), cfg=TINY):
     """(tensors, config.json) of an EAGLE-3 head as SafeAILab/EAGLE and SpecForge publish it."""
     d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -78,20 +96,8 @@ def eagle3_checkpoint(rng, draft=DRAFT, layer_ids=(2, 1, 1), cfg=TINY):
     if draft:  # as EAGLE's training writes them: d2t[i] = used_tokens[i] - i, t2d[j] = j in used_tokens
         t["d2t"] = np.asarray([tok - i for i, tok in enumerate(draft)], np.int64)
         t["t2d"] = np.asarray([j in draft for j in range(cfg.vocab_size)])
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": f,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_seq_len,
-        "hidden_act": "silu",
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": len(t["lm_head.weight"]),
+    config = one_layer_config(cfg, "LlamaForCausalLMEagle3") | {
+        "draft_vocab_size": len(t["lm_head.weight"])
     }
     if layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
@@ -422,20 +428,7 @@ def eagle12_checkpoint(rng, bias=True, cfg=TINY):
     }
     if bias:
         t["fc.bias"] = randn(rng, d)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": f,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "hidden_act": "silu",
-        "vocab_size": cfg.vocab_size,
-    }
-    return t, config
+    return t, one_layer_config(cfg, "LlamaForCausalLM")
 
 
 def reference_eagle12(t, config, tokens, feats):

@@ -191,16 +191,18 @@ def interleaved_times(fns: dict, repeats: int) -> dict:
     return times
 
 
-def decode_seconds(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
-    """Summed median decode time over the prompts (batch 1 each, compiled once per padded prompt width), and
-    each prompt's speculative statistics (None for AR)."""
+def decode_seconds(
+    cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None, bucket: int = 8
+):
+    """Summed median decode time over the prompts (batch 1 each, compiled once per prompt width padded to a
+    multiple of `bucket`), and each prompt's speculative statistics (None for AR)."""
     from specjax.decoding import compile_decode
 
     total, stats, compiled = 0.0, [], {}
     for p in prompts:
-        width = -(-len(p) // 8)
+        width = -(-len(p) // bucket)
         if width not in compiled:
-            compiled[width] = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams)[0]
+            compiled[width] = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams, bucket)[0]
         run = compiled[width]
         stats.append(getattr(jax.block_until_ready(run([p])), "stats", None))
         total += median_time(lambda: jax.block_until_ready(run([p])), repeats)

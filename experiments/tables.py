@@ -59,6 +59,24 @@ LITERATURE = [
 ]
 
 
+# Prompts are padded to a multiple of 64 tokens (one compiled loop per category and drafter), and compiled programs
+# are released after each measurement: XLA CPU maps every compiled program's code, and thousands of them exhaust
+# the process's memory maps (vm.max_map_count).
+BUCKET = 64
+
+
+def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
+    """`common.decode_seconds` with `BUCKET`, then the compiled programs released."""
+    import gc
+
+    import jax
+
+    out = common.decode_seconds(cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET)
+    jax.clear_caches()
+    gc.collect()
+    return out
+
+
 # --- Leviathan et al. 2023 ---------------------------------------------------------------------------------
 
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -215,7 +233,7 @@ def main_rows(target, quick: bool, repeats: int) -> list[dict]:
         for t in (0.0,) if quick else (0.0, 1.0):
             sampler = Sampler(t)
             spec = GenerateSpec(n, sampler, eos_id=None)
-            ar_s, _ = common.decode_seconds(*model, prompts, spec, repeats)
+            ar_s, _ = timed(*model, prompts, spec, repeats)
             base = dict(category=category, T=t)
             rows.append(
                 dict(method="AR", setting="-", **base, tau=1.0, tok_s=len(prompts) * n / ar_s, speedup=1.0)
@@ -225,7 +243,7 @@ def main_rows(target, quick: bool, repeats: int) -> list[dict]:
                 drafter, dparams = build(
                     target, name, settings, k, parse_tree(tree or ""), sampler, datastore
                 )
-                spec_s, stats = common.decode_seconds(*model, prompts, spec, repeats, drafter, dparams)
+                spec_s, stats = timed(*model, prompts, spec, repeats, drafter, dparams)
                 m = metrics.pooled(stats)
                 predicted = (
                     analysis.expected_tokens_per_round(m["acceptance_rate"], k) if tree is None else np.nan
@@ -317,9 +335,7 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
             for t in (0.0,) if quick else (0.0, 1.0):
                 drafter, dparams = build(target, method, {}, k, tree, Sampler(t), None)
                 spec = GenerateSpec(n, Sampler(t), eos_id=None)
-                _, stats = common.decode_seconds(
-                    cfg, target.graphdef, target.params, prompts, spec, 1, drafter, dparams
-                )
+                _, stats = timed(cfg, target.graphdef, target.params, prompts, spec, 1, drafter, dparams)
                 m = metrics.pooled(stats)
                 alphas = {f"alpha_{i + 1}": float(a) for i, a in enumerate(m["alpha"])}
                 rows.append(
@@ -356,14 +372,14 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     ks = (1, 2) if quick else tuple(range(1, 9))
     drafters = ("ngram",) if quick else ("ngram", "medusa", "eagle", "eagle3")
     greedy = GenerateSpec(n, Sampler(0.0), eos_id=None)
-    ar_s, _ = common.decode_seconds(*model, prompts, greedy, repeats)
+    ar_s, _ = timed(*model, prompts, greedy, repeats)
     k_rows = []
     for name in drafters:
         for k in ks:
             if name == "medusa" and k > 4:
                 continue  # the committed Medusa head has 4 heads
             drafter, dparams = build(target, name, {}, k, None, Sampler(0.0), None)
-            spec_s, stats = common.decode_seconds(*model, prompts, greedy, repeats, drafter, dparams)
+            spec_s, stats = timed(*model, prompts, greedy, repeats, drafter, dparams)
             m = metrics.pooled(stats)
             k_rows.append(
                 dict(drafter=name, K=k, tau=m["tau"], a=m["acceptance_rate"], speedup=ar_s / spec_s)
@@ -389,9 +405,7 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     for name in drafters:
         for t in temps:
             drafter, dparams = build(target, name, {}, 4, None, Sampler(t), None)
-            _, stats = common.decode_seconds(
-                *model, prompts, GenerateSpec(n, Sampler(t), eos_id=None), 1, drafter, dparams
-            )
+            _, stats = timed(*model, prompts, GenerateSpec(n, Sampler(t), eos_id=None), 1, drafter, dparams)
             t_rows.append(dict(drafter=name, T=t, tau=metrics.pooled(stats)["tau"]))
     title = f"Temperature on stories260K (chain K=4, {len(prompts)} prompts x {n} tokens): tau"
     results.write_table(out, "sweep_temperature", t_rows, title, the_stamp=stamp)
@@ -471,7 +485,7 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
             drafter, dparams = (
                 (None, None) if name is None else build(target, name, settings, 4, None, Sampler(t), None)
             )
-            seconds, stats = common.decode_seconds(*model, prompts, spec, repeats, drafter, dparams)
+            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams)
             tau = 1.0 if name is None else metrics.pooled(stats)["tau"]
             same = reference
             if name is not None:

@@ -1,7 +1,7 @@
 """`make tables`: regenerates the paper-style tables and plots into results/ (markdown + CSV + PNG, each stamped
 with the git commit, the date, the device and the command: `specjax.results`).
 
-    .venv/bin/python -m experiments.tables [--quick] [--sections=leviathan,main,heads,sweeps] [--results=DIR]
+    .venv/bin/python -m experiments.tables [--quick] [--sections=leviathan,main,...] [--results=DIR]
 
 Sections:
 - leviathan: Leviathan et al. 2023, Theorem 3.8 (expected improvement factor over an (alpha, gamma, c) grid and
@@ -23,7 +23,8 @@ Sections:
   parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
 fixed overhead, its acceptance is real; speed is ranked on the memory-bound target.
---quick: one prompt per category, a few tokens, a few methods: every file, in about a minute (the test suite).
+--quick: one prompt per category, a few tokens, a few methods: every file in about two minutes (the test suite).
+A full run took 41 minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
 SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "systems")
-flags.DEFINE_bool("quick", False, "A run of about a minute that writes every file (the test suite's).")
+flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per decode (median).")
 FLAGS = flags.FLAGS
 
-# The literature's ordering (Spec-Bench, Vicuna-13B, greedy): fastest first.
+# The literature's ordering (Spec-Bench, Vicuna-13B, greedy; EAGLE-2 = EAGLE's dynamic tree), fastest first.
 LITERATURE = [
     "eagle3",
     "eagle (dynamic tree)",

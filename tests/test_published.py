@@ -138,16 +138,37 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def reference_eagle3(t, config, tokens, taps):
-    """EAGLE-3's head on (token i + 1, tapped target layers i) at positions 0..T-1: target-vocabulary logits."""
-    g = lambda name: np.asarray(t[name], np.float64)
+def reference_layer(t, config, prefix, attn_input, x):
+    """A Llama decoder layer written out: causal attention over `attn_input` [T, *] added to the residual `x`
+    [T, H], then the MLP on its post-attention norm."""
+    g = lambda name: np.asarray(t[prefix + name], np.float64)
     nh, nkv, theta, n = (
         config["num_attention_heads"],
         config["num_key_value_heads"],
         config["rope_theta"],
-        len(tokens),
+        len(x),
     )
     hd = config["hidden_size"] // nh
+    q = rope((attn_input @ g("self_attn.q_proj.weight").T).reshape(n, nh, hd), theta)
+    k = rope((attn_input @ g("self_attn.k_proj.weight").T).reshape(n, nkv, hd), theta).repeat(
+        nh // nkv, axis=1
+    )
+    v = (attn_input @ g("self_attn.v_proj.weight").T).reshape(n, nkv, hd).repeat(nh // nkv, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.where(np.tril(np.ones((n, n))), 0, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x = x + np.einsum("hqk,khd->qhd", p, v).reshape(n, nh * hd) @ g("self_attn.o_proj.weight").T
+    m = rms(x, g("post_attention_layernorm.weight"))
+    return (
+        x
+        + (silu(m @ g("mlp.gate_proj.weight").T) * (m @ g("mlp.up_proj.weight").T))
+        @ g("mlp.down_proj.weight").T
+    )
+
+
+def reference_eagle3(t, config, tokens, taps):
+    """EAGLE-3's head on (token i + 1, tapped target layers i) at positions 0..T-1: target-vocabulary logits."""
+    g = lambda name: np.asarray(t[name], np.float64)
     x = taps @ g("fc.weight").T
     inp = np.concatenate(
         [
@@ -156,18 +177,9 @@ def reference_eagle3(t, config, tokens, taps):
         ],
         -1,
     )
-    q = rope((inp @ g(A + "q_proj.weight").T).reshape(n, nh, hd), theta)
-    k = rope((inp @ g(A + "k_proj.weight").T).reshape(n, nkv, hd), theta).repeat(nh // nkv, axis=1)
-    v = (inp @ g(A + "v_proj.weight").T).reshape(n, nkv, hd).repeat(nh // nkv, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.where(np.tril(np.ones((n, n))), 0, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    x = x + np.einsum("hqk,khd->qhd", p, v).reshape(n, nh * hd) @ g(A + "o_proj.weight").T
-    m = rms(x, g("midlayer.post_attention_layernorm.weight"))
-    mlp = silu(m @ g("midlayer.mlp.gate_proj.weight").T) * (m @ g("midlayer.mlp.up_proj.weight").T)
-    x = x + mlp @ g("midlayer.mlp.down_proj.weight").T
+    x = reference_layer(t, config, "midlayer.", inp, x)
     draft_logits = rms(x, g("norm.weight")) @ g("lm_head.weight").T
-    full = np.full((n, V), -np.inf)
+    full = np.full((len(tokens), V), -np.inf)
     full[:, np.arange(draft_logits.shape[1]) + t.get("d2t", 0)] = draft_logits
     return full
 
@@ -434,26 +446,10 @@ def eagle12_checkpoint(rng, bias=True, cfg=TINY):
 def reference_eagle12(t, config, tokens, feats):
     """EAGLE-1/2's head on (token i + 1, final feature i): predicted features through the target's LM head."""
     g = lambda name: np.asarray(t[name], np.float64)
-    nh, nkv, n = config["num_attention_heads"], config["num_key_value_heads"], len(tokens)
-    hd, a = config["hidden_size"] // nh, "layers.0.self_attn."
     x = np.concatenate([EMBED[tokens], feats], -1) @ g("fc.weight").T + (
         g("fc.bias") if "fc.bias" in t else 0
     )
-    q = rope((x @ g(a + "q_proj.weight").T).reshape(n, nh, hd), config["rope_theta"])  # no input norm
-    k = rope((x @ g(a + "k_proj.weight").T).reshape(n, nkv, hd), config["rope_theta"]).repeat(
-        nh // nkv, axis=1
-    )
-    v = (x @ g(a + "v_proj.weight").T).reshape(n, nkv, hd).repeat(nh // nkv, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.where(np.tril(np.ones((n, n))), 0, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    x = x + np.einsum("hqk,khd->qhd", p, v).reshape(n, nh * hd) @ g(a + "o_proj.weight").T
-    m = rms(x, g("layers.0.post_attention_layernorm.weight"))
-    x = (
-        x
-        + (silu(m @ g("layers.0.mlp.gate_proj.weight").T) * (m @ g("layers.0.mlp.up_proj.weight").T))
-        @ g("layers.0.mlp.down_proj.weight").T
-    )
+    x = reference_layer(t, config, "layers.0.", x, x)  # no input norm
     return x @ np.asarray(target_io(TINY, TARGET[1])["unembed"], np.float64).T
 
 

@@ -6,7 +6,7 @@
 The target is stories260K expanded without changing its function (`specjax.models.expand`: *synthetic cost, real
 distribution*): 32 layers of width 512, 372 MB of float32 weights read per token. Its trained Medusa and EAGLE
 heads are expanded the same way, so tau and alpha are stories260K's and the costs are those of a memory-bound
-model. Four tables (results/NAME_{machine,curve,pilot,decode}.{md,csv}):
+model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
 
 - machine and verify-cost curve: read bandwidth (a compiled sum over 512 MB) and matmul FLOP/s measured in the
   same run, taking turns with one target pass over T = 1, 2, 4, ..., 64 new tokens (batch 1 and 4; stories260K at
@@ -15,13 +15,19 @@ model. Four tables (results/NAME_{machine,curve,pilot,decode}.{md,csv}):
 - pilot: EAGLE's tau for chain lengths and dynamic-tree budgets, measured on stories260K itself (the expansion
   keeps every draft, so tau carries over), turned into a predicted speedup with the curve: the decode table uses
   the best chain K and the two best dynamic budgets, and static trees of the best budget.
-- decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), n-gram
-  lookup, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) at each temperature and batch:
-  tau, pooled acceptance rate a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the
-  round's target pass / a 1-token pass, from the curve), tokens/s, speedup over AR (median of per-repetition
-  ratios, the runs taking turns), the analytic prediction E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a)
-  for chains and the measured tau for trees, and measured / predicted. AR's row gives its fraction of the
-  bandwidth floor.
+- decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), the target's
+  int8 copy (quantised self-draft), n-gram lookup, retrieval (REST) over a datastore of stories260K's own
+  stories, lookahead, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) and EAGLE-3 (chain,
+  dynamic trees) at each temperature and batch on free continuation, and greedy at batch 1 on input-grounded
+  retelling and long generation (`jobs`): tau, pooled acceptance rate a, draft cost c (one drafter call / one
+  1-token target pass), verify cost v (the round's target pass / a 1-token pass, from the curve), tokens/s,
+  speedup over AR (median of per-repetition ratios, the runs taking turns), the analytic prediction
+  E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, measured /
+  predicted, and loop efficiency (the model calls' time from the curve / the measured time per round). AR's
+  row gives its fraction of the bandwidth floor.
+- k: EAGLE-3's chain for K = 1..8 with Theorem 3.8's optimum for the measured costs marked.
+- batch: AR against EAGLE-3's chain at batch 1..16, with the costs measured at each batch: where the speedup
+  crosses 1.
 
 Rows the expansion makes trivial are left out: a draft of every original layer (skipping the inserted ones) or
 stories260K itself as the draft is the target's own function at a fraction of its cost (tau = K + 1 for free).
@@ -46,7 +52,7 @@ from specjax.models import expand
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import DynamicTree, medusa_like
+from specjax.trees import Chain, DynamicTree, medusa_like
 
 PROMPTS = [
     "Once upon a time",
@@ -61,7 +67,10 @@ PROMPTS = [
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 KINDS = (
     "draft model",
+    "quantized",
     "n-gram",
+    "retrieval",
+    "lookahead",
     "medusa chain",
     "medusa tree",
     "eagle chain",
@@ -84,10 +93,22 @@ class Settings:
     curve: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     calls: int = 8  # target passes per timed loop of the curve
     bandwidth_mb: int = 512
-    chain_ks: tuple[int, ...] = (2, 3, 4, 5, 6, 7)  # EAGLE chains the pilot tries
+    chain_ks: tuple[int, ...] = (
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+    )  # EAGLE chains the pilot tries (and the K sweep runs)
     dynamic: tuple[tuple[int, int, int], ...] = ((2, 3, 3), (2, 4, 7), (4, 5, 15), (4, 6, 31), (8, 6, 63))
     pilot_tokens: int = 48
     kinds: tuple[str, ...] = KINDS  # which drafter rows (see `methods`)
+    categories: tuple[str, ...] = ("free", "grounded", "long")  # beyond free continuation: batch 1, T = 0
+    sweep_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # AR against EAGLE-3's chain, greedy
+    datastore_tokens: int = 65_536  # the retrieval drafter's datastore (`common.story_datastore`)
     name: str = "bench_memory_bound"
 
 
@@ -104,7 +125,10 @@ SMOKE = Settings(
     chain_ks=(2,),
     dynamic=(),
     pilot_tokens=8,
-    kinds=("draft model", "eagle chain"),
+    kinds=("draft model", "quantized", "retrieval", "lookahead", "eagle chain"),
+    categories=(),
+    sweep_batches=(1,),
+    datastore_tokens=4096,
     name="bench_memory_bound_smoke",
 )
 
@@ -199,11 +223,35 @@ def interp_cost(curve: dict, t: int) -> float:
     return float(np.interp(np.log2(t), np.log2(ts), [curve[x] for x in ts]))
 
 
+CURVE_CACHE = 192  # slots of the cache the curve's passes see, half of them committed
+
+
+def half_cache(cfg, b: int):
+    return init_cache(cfg, b, CURVE_CACHE).with_length(jnp.full((b,), CURVE_CACHE // 2))
+
+
+def eagle_step(loaded, method: str, target, b: int, calls: int):
+    """The timed loop of one head call (`head_step`) of the expanded `method` head at batch b."""
+    cfg, _, params = target
+    meta, hgraph, hparams = loaded[method]["big"]
+    return pass_loop(
+        head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim),
+        heads.drafter_params(meta, hparams, cfg, params),
+        half_cache(cfg.replace(n_layers=1), b),
+        b,
+        1,
+        calls,
+    )
+
+
 # --- the decoding API (kept in these functions) -----------------------------------------------------------
 
 
 def load(settings: Settings):
-    """stories260K, its expansion, the draft model of the first original layers, and the expanded heads."""
+    """stories260K, its expansion, the draft model of the first original layers, and the other drafters' parts:
+    the expanded heads, the expansion's int8 copy and the retrieval datastore, where `settings.kinds` uses them."""
+    from specjax.models.quantize import Quantization, quantize_model
+
     small = load_model()
     e = settings.expansion
     cfg, graphdef, params = expand.expand(small.cfg, small.params, e)
@@ -213,6 +261,10 @@ def load(settings: Settings):
         meta, hgraph, hparams = heads.load_heads(HEADS / f"stories260K_{method}", small.cfg, small.params)
         big = expand.expand_heads(meta, hparams, small.cfg, cfg, params, e)
         loaded[method] = {"small": (meta, hgraph, hparams), "big": big}
+    if "quantized" in settings.kinds:
+        loaded["quantized"] = quantize_model(graphdef, params, Quantization(8))
+    if "retrieval" in settings.kinds:
+        loaded["retrieval"] = common.story_datastore(small, settings.datastore_tokens)
     return small, (cfg, graphdef, params), draft, loaded
 
 
@@ -220,13 +272,19 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     """(drafter, drafter params) for `method` on the expanded target (`which="big"`) or on stories260K."""
     from specjax.drafters import registry
     from specjax.drafters.draft_model import DraftModel
+    from specjax.drafters.retrieval import Retrieval
 
     cfg, _, params = target
     if method == "draft model":
         dcfg, dgraph, dparams = draft
         return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
-    if method == "n-gram":
-        entry = registry.get("ngram")
+    if method == "quantized":  # as `specjax.drafters.quantized` builds it, the int8 copy made once
+        qgraph, qparams = loaded["quantized"]
+        return DraftModel(cfg, qgraph, k, sampler, tree), qparams
+    if method == "retrieval":
+        return Retrieval(k), Retrieval.params(loaded["retrieval"])
+    if method in ("n-gram", "lookahead"):
+        entry = registry.get("ngram" if method == "n-gram" else method)
         return entry.build(None, entry.settings(), k, tree, sampler)
     meta, hgraph, hparams = loaded[method][which]
     return heads.make_drafter(meta, hgraph, cfg, k, sampler, tree), heads.drafter_params(
@@ -234,12 +292,12 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     )
 
 
-def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None):
+def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None, bucket: int = 32):
     from specjax.decoding import GenerateSpec, compile_decode
 
     cfg, graphdef, params = target
     spec = GenerateSpec(eos_id=None, **spec_kw)
-    run, _ = compile_decode(cfg, graphdef, params, prompts, spec, drafter, dparams, bucket=32)
+    run, _ = compile_decode(cfg, graphdef, params, prompts, spec, drafter, dparams, bucket=bucket)
     return run
 
 
@@ -269,8 +327,7 @@ def pilot_taus(settings: Settings, small, loaded) -> dict:
 def measure_curve(settings: Settings, small, target, draft_model, loaded):
     """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
     cfg, graphdef, params = target
-    size = 192
-    half = lambda c, b: init_cache(c, b, size).with_length(jnp.full((b,), size // 2))
+    size, half = CURVE_CACHE, half_cache
     fns = {}
     nbytes, fns["bandwidth"] = bandwidth_fn(settings.bandwidth_mb)
     flop, fns["matmul"] = matmul_fn()
@@ -284,17 +341,13 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
             fns[("draft model", b)] = pass_loop(
                 model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
             )
-        for method in ("eagle", "eagle3"):  # EAGLE's cost is needed for the pilot
-            if method == "eagle" or any(kind.startswith(method + " ") for kind in settings.kinds):
-                meta, hgraph, hparams = loaded[method]["big"]
-                fns[(method, b)] = pass_loop(
-                    head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim),
-                    heads.drafter_params(meta, hparams, cfg, params),
-                    half(cfg.replace(n_layers=1), b),
-                    b,
-                    1,
-                    settings.calls,
-                )
+        if "quantized" in settings.kinds:
+            qgraph, qparams = loaded["quantized"]
+            fns[("quantized", b)] = pass_loop(
+                model_step(qgraph), qparams, half(cfg, b), b, 1, settings.calls
+            )
+        for method in ("eagle", "eagle3"):  # EAGLE's cost is needed for the pilot, EAGLE-3's for the sweeps
+            fns[(method, b)] = eagle_step(loaded, method, target, b, settings.calls)
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
@@ -374,7 +427,10 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
     medusa_tree, eagle_tree = medusa_like(budget, max_depth=n_medusa), medusa_like(budget, max_depth=5)
     out = [
         ("draft model", "draft model", f"{settings.draft_layers} original layers, chain K=3", 3, None),
+        ("quantized", "quantized", "int8 copy of the target, chain K=4", 4, None),
         ("n-gram", "n-gram", "chain K=3", 3, None),
+        ("retrieval", "retrieval", f"{settings.datastore_tokens:,}-token datastore, chain K=4", 4, None),
+        ("lookahead", "lookahead", "window 4, 4 guesses, N=5", 4, None),
         ("medusa chain", "medusa", f"chain K={n_medusa}", n_medusa, None),
         (
             "medusa tree",
@@ -434,94 +490,186 @@ def run(settings: Settings, results: str | None = None) -> dict:
         "predicted = E / (calls x c + v)"
     )
     print(common.write_table(f"{settings.name}_decode", rows, title))
-    return {"machine": [machine], "curve": curve_rows, "pilot": pilot, "decode": rows}
+    ks = k_sweep(settings, small, target, loaded, curves, costs)
+    title = (
+        f"EAGLE-3's chain against K on the expanded target (greedy, batch 1, {settings.prompts} prompts x "
+        f"{settings.new_tokens} tokens, medians of {settings.repeats}): predicted = E(a, K) / (K c + v(K + 1)); "
+        "analytic_optimum: the K maximising it at the sweep's mean a"
+    )
+    print(common.write_table(f"{settings.name}_k", ks, title))
+    batches = batch_sweep(settings, small, target, loaded, chain_k)
+    title = (
+        f"Batch size on the expanded target: AR against EAGLE-3's chain K={chain_k} (greedy, "
+        f"{max(settings.new_tokens // 2, 1)} tokens a row, medians of {settings.repeats}); c and v measured at "
+        "each batch; speedup < 1 where a batched target pass is no longer nearly free"
+    )
+    print(common.write_table(f"{settings.name}_batch", batches, title))
+    return {
+        "machine": [machine],
+        "curve": curve_rows,
+        "pilot": pilot,
+        "decode": rows,
+        "k": ks,
+        "batch": batches,
+    }
+
+
+def jobs(settings: Settings) -> list[tuple]:
+    """(category, batch, temperature, prompt texts, new tokens) of the decode table: free continuation at every
+    batch and temperature; input-grounded retelling (`common.GROUNDED`) and long generation (3x the tokens) at
+    batch 1, greedy."""
+    out = []
+    for b in settings.batches:
+        n = -(-max(settings.prompts, b) // b) * b
+        out += [("free", b, t, (PROMPTS * n)[:n], settings.new_tokens) for t in settings.temperatures]
+    if "grounded" in settings.categories:
+        out.append(
+            ("grounded", 1, 0.0, common.GROUNDED[: max(settings.prompts // 2, 1)], settings.new_tokens)
+        )
+    if "long" in settings.categories:
+        out.append(("long", 1, 0.0, PROMPTS[: max(settings.prompts // 4, 1)], 3 * settings.new_tokens))
+    return out
+
+
+def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
+    """({name: seconds per repetition}, {name: the last repetition's outputs per group}): AR and each
+    {name: (drafter, params)} compiled for the groups' padded width, then run in turns."""
+    bucket = 32 * -(-max(len(p) for g in groups for p in g) // 32)  # every group pads to one width
+    runs = {"AR": compile_job(target, groups[0], kw, bucket=bucket)}
+    for name, (drafter, dp) in drafters.items():
+        runs[name] = compile_job(target, groups[0], kw, drafter, dp, bucket=bucket)
+    outputs = {}
+
+    def job(name, run):
+        def go():
+            outputs[name] = [jax.block_until_ready(run(g, seed=i)) for i, g in enumerate(groups)]
+
+        return go
+
+    return interleaved({name: job(name, r) for name, r in runs.items()}, repeats), outputs
 
 
 def decode_rows(
     settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
 ):
-    from specjax.metrics import summarize
+    from specjax.metrics import loop_efficiency, pooled
 
     cfg = target[0]
-    shapes = methods(settings, chain_k, dynamic, n_medusa)
-    rows = []
-    for b in settings.batches:
-        n = -(-max(settings.prompts, b) // b) * b
-        prompts = [small.tokenizer.encode(p) for p in (PROMPTS * n)[:n]]
-        groups = [prompts[i : i + b] for i in range(0, n, b)]
+    rows, nan = [], float("nan")
+    for category, b, temperature, texts, new_tokens in jobs(settings):
+        prompts = [small.tokenizer.encode(p) for p in texts]
+        groups = [prompts[i : i + b] for i in range(0, len(prompts), b)]
         one = curves[b][1]
-        for temperature in settings.temperatures:
-            sampler = Sampler(temperature)
-            kw = dict(max_new_tokens=settings.new_tokens, sampler=sampler)
-            runs = {"AR": compile_job(target, groups[0], kw)}
-            for method, desc, k, tree in shapes:
-                drafter, dp = make_drafter(method, target, draft_model, loaded, k, tree, sampler)
-                runs[(method, desc)] = compile_job(target, groups[0], kw, drafter, dp)
-            results = {}
-
-            def job(name, run):
-                def go():
-                    results[name] = [jax.block_until_ready(run(g, seed=i)) for i, g in enumerate(groups)]
-
-                return go
-
-            times = interleaved({name: job(name, r) for name, r in runs.items()}, settings.repeats)
-            ar = times["AR"]
-            tokens = n * settings.new_tokens
-            ar_s = statistics.median(ar)
-            read = expand.weight_bytes(cfg) + b * 96 * expand.kv_bytes_per_position(cfg)
-            nan = float("nan")
-            rows.append(
-                dict(
-                    batch=b,
-                    T=temperature,
-                    method="AR",
-                    draft="-",
-                    tau=1.0,
-                    a=nan,
-                    c=nan,
-                    v=1.0,
-                    tok_s=tokens / ar_s,
-                    speedup=1.0,
-                    predicted=1.0,
-                    measured_over_predicted=1.0,
-                    of_floor=(read / bw) / (ar_s / (len(groups) * settings.new_tokens)),
-                )
+        sampler = Sampler(temperature)
+        drafters = {
+            (method, desc): make_drafter(method, target, draft_model, loaded, k, tree, sampler)
+            for method, desc, k, tree in methods(settings, chain_k, dynamic, n_medusa)
+        }
+        kw = dict(max_new_tokens=new_tokens, sampler=sampler)
+        times, outputs = timed_runs(target, groups, kw, drafters, settings.repeats)
+        ar = times["AR"]
+        ar_step = statistics.median(ar) / (len(groups) * new_tokens)
+        read = expand.weight_bytes(cfg) + b * 96 * expand.kv_bytes_per_position(cfg)
+        base = dict(category=category, batch=b, T=temperature)
+        rows.append(
+            base
+            | dict(method="AR", draft="-", tau=1.0, a=nan, c=nan, v=1.0, tok_s=1 / ar_step)
+            | dict(speedup=1.0, predicted=1.0, measured_over_predicted=1.0, of_floor=(read / bw) / ar_step)
+            | dict(loop_eff=one / ar_step)
+        )
+        for (method, desc), (drafter, _) in drafters.items():
+            m = pooled([g.stats for g in outputs[(method, desc)]])
+            v = interp_cost(curves[b], drafter.shape.size) / one
+            c = 0.0 if method in ("n-gram", "retrieval", "lookahead") else costs[(method, b)] / one
+            calls = {"medusa": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
+                method, drafter.shape.depth
             )
-            for method, desc, k, tree in shapes:
-                stats = [summarize(g.stats) for g in results[(method, desc)]]
-                passes = sum(s["target_passes"] for s in stats)
-                tau = sum(s["tau"] * s["target_passes"] for s in stats) / passes
-                reached = sum(float(np.asarray(g.stats.reached_at).sum()) for g in results[(method, desc)])
-                accepted = sum(
-                    float(np.asarray(g.stats.accepted_at).sum()) for g in results[(method, desc)]
-                )
-                a = accepted / reached if reached else nan
-                nodes = k if tree is None else tree.size - 1
-                v = interp_cost(curves[b], nodes + 1) / one
-                c = 0.0 if method == "n-gram" else costs[(method, b)] / one
-                calls = 1 if method == "medusa" else 0 if method == "n-gram" else k
-                e_tokens = expected_tokens_per_round(a, k) if tree is None else tau
-                predicted = e_tokens / (calls * c + v)
-                ratio = statistics.median(x / y for x, y in zip(ar, times[(method, desc)]))
-                rows.append(
-                    dict(
-                        batch=b,
-                        T=temperature,
-                        method=method,
-                        draft=desc,
-                        tau=tau,
-                        a=a,
-                        c=c,
-                        v=v,
-                        tok_s=tokens / statistics.median(times[(method, desc)]),
-                        speedup=ratio,
-                        predicted=predicted,
-                        measured_over_predicted=ratio / predicted,
-                        of_floor=nan,
-                    )
-                )
-                print(rows[-1], flush=True)
+            chain = isinstance(drafter.shape, Chain)
+            e_tokens = (
+                expected_tokens_per_round(m["acceptance_rate"], drafter.shape.depth) if chain else m["tau"]
+            )
+            predicted = e_tokens / (calls * c + v)
+            spec_s = statistics.median(times[(method, desc)])
+            ratio = statistics.median(x / y for x, y in zip(ar, times[(method, desc)]))
+            rows.append(
+                base
+                | dict(method=method, draft=desc, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
+                | dict(tok_s=len(prompts) * new_tokens / spec_s, speedup=ratio, predicted=predicted)
+                | dict(measured_over_predicted=ratio / predicted, of_floor=nan)
+                | dict(loop_eff=loop_efficiency(calls * c * one, v * one, spec_s / m["target_passes"]))
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[dict]:
+    """EAGLE-3's chain for each K in `settings.chain_ks` (greedy, batch 1, free continuation): tau, a, speedup,
+    the prediction E(a, K) / (K c + v(K + 1)) with the measured costs, and Theorem 3.8's optimum: the K that
+    maximises the prediction at the sweep's mean a."""
+    from specjax.analysis import expected_tokens_per_round as e_tokens
+    from specjax.metrics import pooled
+
+    one, c = curves[1][1], costs[("eagle3", 1)] / curves[1][1]
+    cost = lambda k: k * c + interp_cost(curves[1], k + 1) / one
+    prompts = [[small.tokenizer.encode(p)] for p in PROMPTS[: settings.prompts]]
+    drafters = {
+        k: make_drafter("eagle3", target, None, loaded, k, None, Sampler()) for k in settings.chain_ks
+    }
+    times, outputs = timed_runs(
+        target, prompts, dict(max_new_tokens=settings.new_tokens), drafters, settings.repeats
+    )
+    rows = []
+    for k in settings.chain_ks:
+        m = pooled([g.stats for g in outputs[k]])
+        speedup = statistics.median(x / y for x, y in zip(times["AR"], times[k]))
+        a = m["acceptance_rate"]
+        rows.append(
+            dict(
+                K=k,
+                tau=m["tau"],
+                a=a,
+                c=c,
+                v=cost(k) - k * c,
+                speedup=speedup,
+                predicted=e_tokens(a, k) / cost(k),
+            )
+        )
+    mean_a = float(np.mean([r["a"] for r in rows]))
+    best = max(settings.chain_ks, key=lambda k: e_tokens(mean_a, k) / cost(k))
+    for r in rows:
+        r["analytic_optimum"] = r["K"] == best
+    return rows
+
+
+def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list[dict]:
+    """AR against EAGLE-3's chain of `chain_k` at each batch in `settings.sweep_batches` (greedy, free
+    continuation, half the new tokens): tokens/s, speedup, and the prediction from the costs measured at that
+    batch (a 1-token and a (K + 1)-token target pass, one head call)."""
+    from specjax.analysis import expected_tokens_per_round as e_tokens
+    from specjax.metrics import pooled
+
+    cfg, graphdef, params = target
+    fns = {}
+    for b in settings.sweep_batches:
+        for t in (1, chain_k + 1):
+            fns[(b, t)] = pass_loop(model_step(graphdef), params, half_cache(cfg, b), b, t, settings.calls)
+        fns[(b, "head")] = eagle_step(loaded, "eagle3", target, b, settings.calls)
+    cost = {key: min(v) for key, v in interleaved(fns, max(settings.repeats, 5)).items()}
+    rows, n = [], max(settings.new_tokens // 2, 1)
+    for b in settings.sweep_batches:
+        group = [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]]
+        drafter = {"eagle3": make_drafter("eagle3", target, None, loaded, chain_k, None, Sampler())}
+        times, outputs = timed_runs(target, [group], dict(max_new_tokens=n), drafter, settings.repeats)
+        m = pooled([g.stats for g in outputs["eagle3"]])
+        c, v = cost[(b, "head")] / cost[(b, 1)], cost[(b, chain_k + 1)] / cost[(b, 1)]
+        rows.append(
+            dict(batch=b, K=chain_k, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
+            | dict(ar_tok_s=b * n / statistics.median(times["AR"]))
+            | dict(spec_tok_s=b * n / statistics.median(times["eagle3"]))
+            | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times["eagle3"])))
+            | dict(predicted=e_tokens(m["acceptance_rate"], chain_k) / (chain_k * c + v))
+        )
+        print(rows[-1], flush=True)
     return rows
 
 

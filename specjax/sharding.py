@@ -156,6 +156,16 @@ def llama_shardings(mesh: Mesh, params):
     )
 
 
+def leaf_placer(mesh: Mesh):
+    """`put(path, host array)` -> that parameter on `mesh` as `llama_shardings` splits it, each device given its
+    own slice: a model read one parameter at a time (`specjax.models.weights.params_from_hf`) never lands whole
+    on one device."""
+    n = mesh.shape["model"]
+    return lambda path, x: jax.device_put(
+        x, NamedSharding(mesh, _llama_spec(tuple(map(str, path)), tuple(x.shape), n))
+    )
+
+
 def check_target(mesh: Mesh, cfg: LlamaConfig, batch: int) -> None:
     """Refuses a mesh on which the target's heads or hidden units, or the batch, do not divide."""
     n_data, n_model = mesh.shape["data"], mesh.shape["model"]

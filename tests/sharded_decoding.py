@@ -121,7 +121,89 @@ def restored_on_mesh() -> dict:
     }
 
 
-out = {"devices": len(jax.devices()), "restored": restored_on_mesh(), "runs": {}}
+def hf_streamed() -> dict:
+    """A Hugging Face model of 16 layers in 6 safetensors shards, read onto the 2x4 mesh a parameter at a time
+    (`load_model(mesh=...)`'s path): whether it equals the single-device load and each parameter's partition
+    spec, and the host's peak of traced allocations while loading beyond what the loaded arrays keep (XLA's CPU
+    devices alias aligned host buffers: their memory is device memory here), against the model's bytes and
+    against reading every tensor at once (the control)."""
+    import tempfile
+    import tracemalloc
+
+    from safetensors.numpy import save_file
+
+    from specjax.models.loading import read_hf_config
+    from specjax.models.weights import params_from_hf, read_safetensors
+
+    d, f, v, n = 128, 512, 97, 16
+    hf = dict(
+        model_type="llama",
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=f,
+        num_hidden_layers=n,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    rng = np.random.default_rng(5)
+    weight = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    shards = [{"model.embed_tokens.weight": weight(v, d)}]
+    for i in range(n):
+        p = f"model.layers.{i}."
+        layer = {p + "input_layernorm.weight": weight(d), p + "post_attention_layernorm.weight": weight(d)}
+        layer |= {p + f"self_attn.{x}_proj.weight": weight(d, d) for x in "qkvo"}
+        layer |= {p + "mlp.gate_proj.weight": weight(f, d), p + "mlp.up_proj.weight": weight(f, d)}
+        layer[p + "mlp.down_proj.weight"] = weight(d, f)
+        shards[-1] |= layer
+        if i % 3 == 2:
+            shards.append({})
+    shards[-1] |= {"model.norm.weight": weight(d), "lm_head.weight": weight(v, d)}
+    total = sum(x.nbytes for shard in shards for x in shard.values())
+    mesh = sharding.make_mesh(2, 4)
+
+    def transient() -> int:  # the peak since the last call, less what is still held
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        return peak - held
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(hf))
+        where = {}
+        for i, shard in enumerate(shards):
+            save_file(shard, str(folder / f"model-{i}.safetensors"))
+            where |= dict.fromkeys(shard, f"model-{i}.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": where}))
+        del shards
+        cfg = read_hf_config(folder / "config.json")
+        tracemalloc.start()
+        _, one = params_from_hf(cfg, read_safetensors(folder))
+        one_device = transient()
+        _, on_mesh = params_from_hf(cfg, read_safetensors(folder), sharding.leaf_placer(mesh))
+        mesh_load = transient()
+        files, before = read_safetensors(folder), tracemalloc.get_traced_memory()[0]
+        everything = {name: files[name] for name in files}
+        all_at_once = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        del everything
+    leaves = jax.tree_util.tree_leaves_with_path(on_mesh)
+    return {
+        "model_bytes": total,
+        "peak_one_device": one_device,
+        "peak_mesh": mesh_load,
+        "peak_all_at_once": all_at_once,
+        "largest_layer_bytes": (4 * d * d + 3 * f * d + 2 * d) * 4,
+        "specs": {"/".join(sharding._path(kp)): str(x.sharding.spec) for kp, x in leaves},
+        "equal": all(
+            np.array_equal(np.asarray(x), np.asarray(y))
+            for (_, x), y in zip(leaves, jax.tree.leaves(one), strict=True)
+        ),
+    }
+
+
+out = {"devices": len(jax.devices()), "restored": restored_on_mesh(), "hf": hf_streamed(), "runs": {}}
 # Greedy: each drafter on every mesh against AR on one device (greedy speculation equals AR: other tests prove
 # it on one device); sampled: each drafter on 2x4 against itself on one device, and AR on 2x4.
 runs = [("ar", 0.0, "1"), ("ar", 0.0, "2x4")]

@@ -39,6 +39,7 @@ COLUMNS = {  # the columns each table must have
     "memory_bound_curve": ["target", "batch", "T", "ms", "per_T1", "floor_ms", "roof_ms", "bound_over_ms"],
     "memory_bound_pilot": ["shape", "nodes", "tau_stories260K", "v", "predicted"],
     "memory_bound_decode": [
+        "category",
         "batch",
         "T",
         "method",
@@ -52,7 +53,10 @@ COLUMNS = {  # the columns each table must have
         "predicted",
         "measured_over_predicted",
         "of_floor",
+        "loop_eff",
     ],  # fmt: skip
+    "memory_bound_k": ["K", "tau", "a", "c", "v", "speedup", "predicted", "analytic_optimum"],
+    "memory_bound_batch": ["batch", "K", "tau", "ar_tok_s", "spec_tok_s", "speedup", "predicted"],
     "heads_medusa_accuracy": ["head", "predicts", "top1", "top5"],
     "heads_eagle_acceptance": ["head", "draft", "T", "tau", "alpha_1"],
     "sweep_k": ["drafter", "K", "tau", "a", "speedup", "analytic_optimum"],
@@ -67,9 +71,11 @@ COLUMNS = {  # the columns each table must have
         "round_ms",
         "round_over_ar_step",
         "extra_param_MB",
+        "target_kv_KB",
+        "draft_state_KB",
     ],
 }
-PLOTS = ["leviathan_figure3", "sweeps"]
+PLOTS = ["leviathan_figure3", "sweeps", "memory_bound_sweeps"]
 
 
 def test_theorem_38_table_is_the_closed_form():
@@ -107,7 +113,14 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
         assert "| " + " | ".join(header) + " |" in (out / f"{name}.md").read_text()
     with open(out / "memory_bound_decode.csv") as f:
         decode = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    assert [r["method"] for r in decode] == ["AR", "draft model", "eagle"]
+    assert [r["method"] for r in decode] == [
+        "AR",
+        "draft model",
+        "quantized",
+        "retrieval",
+        "lookahead",
+        "eagle",
+    ]
     assert all(float(r["tok_s"]) > 0 and float(r["tau"]) >= 1 for r in decode)
     with open(out / "peers.csv") as f:
         peers = list(csv.DictReader(line for line in f if not line.startswith("#")))

@@ -17,7 +17,7 @@ from pathlib import Path
 from specjax import checkpoint
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
-from specjax.sharding import llama_shardings, place
+from specjax.sharding import leaf_placer, llama_shardings, place
 from specjax.tokenizer import HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer
 
 DEFAULT_MODEL = "stories260K"
@@ -139,17 +139,19 @@ def read_hf_config(file: Path, dtype: str = "float32") -> LlamaConfig:
 
 def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> LoadedModel:
     """Loads weights and tokenizer from a path or name (see the module docstring); on `mesh`, the weights split
-    as `specjax.sharding.llama_shardings` says (a specjax checkpoint is restored straight onto the mesh, other
-    formats are read on the host and then placed)."""
+    as `specjax.sharding.llama_shardings` says: a specjax checkpoint is restored straight onto the mesh, Hugging
+    Face safetensors are read and placed a parameter at a time, a llama2.c file is read on the host and then
+    placed."""
     path = resolve(name)
     tok_folder = path
-    shardings = None if mesh is None else (lambda tree: llama_shardings(mesh, tree))
     if (path / checkpoint.MARKER).exists():
+        shardings = None if mesh is None else (lambda tree: llama_shardings(mesh, tree))
         cfg, graphdef, params = checkpoint.restore_model(path, dtype, shardings)
         tok_folder = path / "tokenizer"
     elif (path / "config.json").exists():
         cfg = read_hf_config(path / "config.json", dtype)
-        graphdef, params = params_from_hf(cfg, read_safetensors(path))
+        put = None if mesh is None else leaf_placer(mesh)
+        graphdef, params = params_from_hf(cfg, read_safetensors(path), put)
     else:
         bins = (
             [path]
@@ -163,8 +165,8 @@ def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> Lo
             )
         tok_folder = bins[0].parent
         cfg, graphdef, params = read_llama2c(bins[0], dtype)
-    if shardings and not (path / checkpoint.MARKER).exists():
-        params = place(params, shardings(params))
+        if mesh is not None:
+            params = place(params, llama_shardings(mesh, params))
     return LoadedModel(cfg, graphdef, params, load_tokenizer(tok_folder, cfg.vocab_size), path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct as pystruct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -76,49 +77,85 @@ def _assemble(cfg: LlamaConfig, embed, layers, norm, lm_head):
 # --- Hugging Face safetensors ------------------------------------------------------------------
 
 
-def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`, as numpy."""
-    from safetensors.numpy import load_file
+class SafetensorsFiles(Mapping):
+    """The tensors of `model.safetensors` or of the shards a `model.safetensors.index.json` names, read one at a
+    time when asked for (`files[name]` -> numpy): loading never holds the whole model on the host. Every file's
+    header is checked when this is made."""
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(
-            f"no model.safetensors or model.safetensors.index.json in {model_dir}; "
-            "download the model's weights in safetensors format"
-        )
-    tensors = {}
-    for name in files:
-        path = model_dir / name
-        if not path.exists():
-            raise CheckpointError(f"weight shard {path} named in the index is missing")
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as err:  # safetensors raises several types on damaged files
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (model_dir / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
             raise CheckpointError(
-                f"weight file {path} is corrupt or truncated ({err}); download it again"
-            ) from err
-    return tensors
+                f"no model.safetensors or model.safetensors.index.json in {model_dir}; "
+                "download the model's weights in safetensors format"
+            )
+        self._where, self._handles = {}, {}
+        for name in files:
+            path = model_dir / name
+            if not path.exists():
+                raise CheckpointError(f"weight shard {path} named in the index is missing")
+            try:
+                self._handles[path] = handle = safe_open(str(path), framework="numpy")
+            except Exception as err:  # safetensors raises several types on damaged files
+                raise _corrupt(path, err) from err
+            self._where |= dict.fromkeys(handle.keys(), path)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path = self._where[name]
+        try:
+            return self._handles[path].get_tensor(name)
+        except Exception as err:
+            raise _corrupt(path, err) from err
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
-def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]):
-    """(graphdef, params) from Hugging Face Llama/Mistral/Qwen2 tensor names."""
+def _corrupt(path: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"weight file {path} is corrupt or truncated ({err}); download it again")
+
+
+def read_safetensors(model_dir: Path) -> SafetensorsFiles:
+    """The tensors of a Hugging Face model directory (`SafetensorsFiles`: read one at a time)."""
+    return SafetensorsFiles(model_dir)
+
+
+def params_from_hf(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], put: Callable | None = None):
+    """(graphdef, params) from Hugging Face Llama/Mistral/Qwen2 tensor names, converted a layer at a time:
+    `put(path, array in the config's dtype)` places each parameter (default: on the default device; on a mesh,
+    `specjax.sharding.leaf_placer`), so the host holds one layer's tensors at a time."""
 
     d, v, f = cfg.dim, cfg.vocab_size, cfg.hidden_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    put = put or (lambda path, x: jnp.asarray(x))
 
     def get(name, shape):
         if name not in tensors:
             raise CheckpointError(f"tensor {name!r} is missing from the safetensors checkpoint")
-        if tuple(tensors[name].shape) != shape:
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json implies {shape}; "
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}; "
                 "the weights and config.json do not belong together: download them again"
             )
-        return np.asarray(tensors[name], dtype=np.float32)
+        return np.asarray(tensor, dtype=np.float32)
+
+    def placed(prefix: tuple, tree: dict) -> dict:
+        return {
+            key: placed(prefix + (key,), value)
+            if isinstance(value, dict)
+            else put(prefix + (key,), np.asarray(value, dtype=jnp.dtype(cfg.dtype)))
+            for key, value in tree.items()
+        }
 
     layers = []
     for i in range(cfg.n_layers):
@@ -128,23 +165,27 @@ def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]):
             [get(a + f"{n}_proj.bias", (m,)) for n, m in zip("qkv", (q, kv, kv))] if cfg.qkv_bias else None
         )
         layers.append(
-            _layer(
-                get(p + "input_layernorm.weight", (d,)),
-                get(a + "q_proj.weight", (q, d)),
-                get(a + "k_proj.weight", (kv, d)),
-                get(a + "v_proj.weight", (kv, d)),
-                get(a + "o_proj.weight", (d, q)),
-                get(p + "post_attention_layernorm.weight", (d,)),
-                get(p + "mlp.gate_proj.weight", (f, d)),
-                get(p + "mlp.up_proj.weight", (f, d)),
-                get(p + "mlp.down_proj.weight", (d, f)),
-                bias,
-                get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
+            placed(
+                ("layers", i),
+                _layer(
+                    get(p + "input_layernorm.weight", (d,)),
+                    get(a + "q_proj.weight", (q, d)),
+                    get(a + "k_proj.weight", (kv, d)),
+                    get(a + "v_proj.weight", (kv, d)),
+                    get(a + "o_proj.weight", (d, q)),
+                    get(p + "post_attention_layernorm.weight", (d,)),
+                    get(p + "mlp.gate_proj.weight", (f, d)),
+                    get(p + "mlp.up_proj.weight", (f, d)),
+                    get(p + "mlp.down_proj.weight", (d, f)),
+                    bias,
+                    get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
+                ),
             )
         )
     lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (v, d))
     embed, norm = get("model.embed_tokens.weight", (v, d)), get("model.norm.weight", (d,))
-    return build_params(cfg, _assemble(cfg, embed, layers, norm, lm_head))
+    rest = placed((), _assemble(cfg, embed, [], norm, lm_head))
+    return build_params(cfg, rest | {"layers": dict(enumerate(layers))})
 
 
 # --- llama.c legacy (version 0) -----------------------------------------------------------------

@@ -546,7 +546,12 @@ def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
 
         return go
 
-    return interleaved({name: job(name, r) for name, r in runs.items()}, repeats), outputs
+    times = interleaved({name: job(name, r) for name, r in runs.items()}, repeats)
+    # XLA CPU keeps every compiled program mapped until JAX's caches let go: a run of several dozen decode
+    # programs exhausted the process's memory maps (vm.max_map_count) and crashed in LLVM
+    del runs
+    jax.clear_caches()
+    return times, outputs
 
 
 def decode_rows(

@@ -32,7 +32,10 @@ def _commit() -> str:
     try:
         run = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True)
         head = run("rev-parse", "--short=12", "HEAD").stdout.strip()
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        # results/ itself is output: a run rewriting its committed tables is not a change to the code
+        dirty = run(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + ("+uncommitted changes" if dirty else "")

@@ -18,8 +18,9 @@ model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
 - decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), the target's
   int8 copy (quantised self-draft), n-gram lookup, retrieval (REST) over a datastore of stories260K's own
   stories, lookahead, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) and EAGLE-3 (chain,
-  dynamic trees) at each temperature and batch on free continuation, and greedy at batch 1 on input-grounded
-  retelling and long generation (`jobs`): tau, pooled acceptance rate a, draft cost c (one drafter call / one
+  dynamic trees) at each temperature and batch on free continuation; n-gram, retrieval, lookahead and EAGLE-3's
+  chain also greedy at batch 1 on input-grounded retelling and long generation (`jobs`): tau, pooled acceptance
+  rate a, draft cost c (one drafter call / one
   1-token target pass), verify cost v (the round's target pass / a 1-token pass, from the curve), tokens/s,
   speedup over AR (median of per-repetition ratios, the runs taking turns), the analytic prediction
   E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, measured /
@@ -106,7 +107,8 @@ class Settings:
     dynamic: tuple[tuple[int, int, int], ...] = ((2, 3, 3), (2, 4, 7), (4, 5, 15), (4, 6, 31), (8, 6, 63))
     pilot_tokens: int = 48
     kinds: tuple[str, ...] = KINDS  # which drafter rows (see `methods`)
-    categories: tuple[str, ...] = ("free", "grounded", "long")  # beyond free continuation: batch 1, T = 0
+    categories: tuple[str, ...] = ("free", "grounded", "long")  # beyond free continuation: batch 1, T = 0,
+    category_kinds: tuple[str, ...] = ("n-gram", "retrieval", "lookahead", "eagle3 chain")  # and these rows
     sweep_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # AR against EAGLE-3's chain, greedy
     datastore_tokens: int = 65_536  # the retrieval drafter's datastore (`common.story_datastore`)
     name: str = "bench_memory_bound"
@@ -517,7 +519,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
 def jobs(settings: Settings) -> list[tuple]:
     """(category, batch, temperature, prompt texts, new tokens) of the decode table: free continuation at every
     batch and temperature; input-grounded retelling (`common.GROUNDED`) and long generation (3x the tokens) at
-    batch 1, greedy."""
+    batch 1, greedy, for the rows in `settings.category_kinds`."""
     out = []
     for b in settings.batches:
         n = -(-max(settings.prompts, b) // b) * b
@@ -566,9 +568,16 @@ def decode_rows(
         groups = [prompts[i : i + b] for i in range(0, len(prompts), b)]
         one = curves[b][1]
         sampler = Sampler(temperature)
+        kinds = (
+            settings.kinds
+            if category == "free"
+            else tuple(set(settings.kinds) & set(settings.category_kinds))
+        )
         drafters = {
             (method, desc): make_drafter(method, target, draft_model, loaded, k, tree, sampler)
-            for method, desc, k, tree in methods(settings, chain_k, dynamic, n_medusa)
+            for method, desc, k, tree in methods(
+                dataclasses.replace(settings, kinds=kinds), chain_k, dynamic, n_medusa
+            )
         }
         kw = dict(max_new_tokens=new_tokens, sampler=sampler)
         times, outputs = timed_runs(target, groups, kw, drafters, settings.repeats)

@@ -113,6 +113,9 @@ class SafetensorsFiles(Mapping):
         except Exception as err:
             raise _corrupt(path, err) from err
 
+    def __contains__(self, name) -> bool:  # without reading the tensor (Mapping's default would)
+        return name in self._where
+
     def __iter__(self):
         return iter(self._where)
 

@@ -6,7 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# Compiling dominates the suite. XLA's backend optimises less (a quarter less time: the programs run once or
+# Compiling dominates the suite. XLA's backend optimises less (12% less CPU over the suite: most programs run once or
 # twice), and the xdist workers and the command-line subprocesses, which compile many of the same programs, share
 # one JAX compilation cache. Both are set by the controlling process before JAX starts, inherited by every worker
 # and subprocess; the cache is removed when the run ends.

@@ -620,7 +620,6 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
     """EAGLE-3's chain for each K in `settings.chain_ks` (greedy, batch 1, free continuation): tau, a, speedup,
     the prediction E(a, K) / (K c + v(K + 1)) with the measured costs, and Theorem 3.8's optimum: the K that
     maximises the prediction at the sweep's mean a."""
-    from specjax.analysis import expected_tokens_per_round as e_tokens
     from specjax.metrics import pooled
 
     one, c = curves[1][1], costs[("eagle3", 1)] / curves[1][1]
@@ -645,11 +644,11 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
                 c=c,
                 v=cost(k) - k * c,
                 speedup=speedup,
-                predicted=e_tokens(a, k) / cost(k),
+                predicted=expected_tokens_per_round(a, k) / cost(k),
             )
         )
     mean_a = float(np.mean([r["a"] for r in rows]))
-    best = max(settings.chain_ks, key=lambda k: e_tokens(mean_a, k) / cost(k))
+    best = max(settings.chain_ks, key=lambda k: expected_tokens_per_round(mean_a, k) / cost(k))
     for r in rows:
         r["analytic_optimum"] = r["K"] == best
     return rows
@@ -659,7 +658,6 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     """AR against EAGLE-3's chain of `chain_k` at each batch in `settings.sweep_batches` (greedy, free
     continuation, half the new tokens): tokens/s, speedup, and the prediction from the costs measured at that
     batch (a 1-token and a (K + 1)-token target pass, one head call)."""
-    from specjax.analysis import expected_tokens_per_round as e_tokens
     from specjax.metrics import pooled
 
     cfg, graphdef, params = target
@@ -681,7 +679,7 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
             | dict(ar_tok_s=b * n / statistics.median(times["AR"]))
             | dict(spec_tok_s=b * n / statistics.median(times["eagle3"]))
             | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times["eagle3"])))
-            | dict(predicted=e_tokens(m["acceptance_rate"], chain_k) / (chain_k * c + v))
+            | dict(predicted=expected_tokens_per_round(m["acceptance_rate"], chain_k) / (chain_k * c + v))
         )
         print(rows[-1], flush=True)
     return rows

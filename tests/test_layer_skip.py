@@ -1,11 +1,13 @@
 """Layer-skip self-speculation: greedy == AR over skip sets, K and a tree (tiny model and stories260K); sampling
-passes `verify_exactness` with its negative control; the draft reads the target's own arrays; bad sets are clear
-errors before any model work; the skip-set search and the CLI."""
+passes `verify_exactness` with its negative control; the draft reads the target's own arrays and KV cache (its
+committed slots untouched; a first-k set drafts as with a cache of its own); bad sets are clear errors before any
+model work; the skip-set search and the CLI."""
 
 import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
@@ -13,7 +15,10 @@ from helpers import RAGGED, cli, greedy_case, run_cli
 
 from specjax import verify_exactness
 from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.decoding.jobs import job_key, pad_prompts
+from specjax.decoding.prefill import prefill
 from specjax.drafters import layer_skip, registry
+from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import (
     LayerSkipError,
     LayerSkipSettings,
@@ -21,6 +26,7 @@ from specjax.drafters.layer_skip import (
     layer_skip_drafter,
     parse_layers,
     search_layers,
+    skip_model,
 )
 from specjax.metrics import summarize
 from specjax.models.llama import init_params
@@ -133,6 +139,53 @@ def test_greedy_equals_ar_stories(layers, k, stories_case):
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     if layers == (0, 1, 3, 4):
         assert tau(gen) > 1.8  # skipping layer 2 keeps most of stories260K's predictions
+
+
+def test_draft_reads_and_writes_the_targets_cache_beyond_its_committed_slots(tiny4):
+    graphdef, params, _, _ = tiny4
+    drafter, dparams = layer_skip_drafter(TINY4, params, (1, 3), 3, Sampler())
+    tokens, lengths = pad_prompts(RAGGED)
+    _, cache, _ = prefill(TINY4, graphdef, params, tokens, lengths, 32)
+    seq = np.zeros((len(RAGGED), 32), np.int32)
+    seq[:, : tokens.shape[1]] = tokens
+    seq[np.arange(len(RAGGED)), lengths] = 7  # the pending token
+    state = drafter.init(dparams, tokens, lengths, 32)
+    draft, state, after = drafter.propose(
+        dparams, state, jnp.asarray(seq), jnp.asarray(lengths + 1), job_key(0), target_cache=cache
+    )
+    assert state == () and draft.tokens.shape == (len(RAGGED), 3)  # no state of its own
+    np.testing.assert_array_equal(after.length, cache.length)
+    heads = cache.k[0].shape[0] // len(RAGGED)
+    for layer in range(TINY4.n_layers):
+        for b, n in enumerate(lengths):
+            rows = slice(b * heads, (b + 1) * heads)
+            old, new = np.asarray(cache.k[layer][rows]), np.asarray(after.k[layer][rows])
+            np.testing.assert_array_equal(new[:, :n], old[:, :n])  # the committed slots untouched
+            written = not np.array_equal(
+                new[:, n : n + 3], old[:, n : n + 3]
+            )  # pending + 2 fed draft tokens
+            assert written == (layer in (1, 3)), (layer, b)  # by the kept layers only
+
+
+@pytest.mark.parametrize("layers", [(0, 1, 2), (0, 1, 3, 4)])
+def test_shared_cache_drafts_as_the_skip_model_with_its_own_cache_where_that_is_exact(layers, stories_case):
+    """A first-k set reads exactly the keys/values it would compute: the same rounds as the skip model drafting
+    with its own cache. After a skipped layer it reads the target's (a different draft, here a better one)."""
+    cfg, graphdef, params, prompts, spec, ar = stories_case
+    shared, shared_params = layer_skip_drafter(cfg, params, layers, 4, Sampler())
+    small, small_graphdef, small_params = skip_model(cfg, params, layers)
+    own = DraftModel(small, small_graphdef, 4, Sampler())
+    gens = [
+        speculative_generate(cfg, graphdef, params, d, p, prompts, spec)
+        for d, p in ((shared, shared_params), (own, small_params))
+    ]
+    for gen in gens:
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    hists = [np.asarray(gen.stats.depth_accepted) for gen in gens]
+    if layers == (0, 1, 2):
+        np.testing.assert_array_equal(*hists)
+    else:
+        assert tau(gens[0]) > tau(gens[1])
 
 
 @pytest.mark.parametrize("layers", ["0", "1"])  # the default (first half) and a set that skips layer 0

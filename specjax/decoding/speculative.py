@@ -18,7 +18,7 @@ from flax import struct
 
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
-from specjax.drafters.base import feature_taps
+from specjax.drafters.base import feature_taps, propose
 from specjax.layouts import Draft, Verification
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import features, forward
@@ -135,13 +135,11 @@ def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: Loo
     """Draft -> verify in one target pass -> commit. `keys` [max rounds, 2]: each round's drafter and
     acceptance-rule keys."""
     k_draft, k_accept = keys[loop.stats.rounds]
-    draft, drafter_state = drafter.propose(
-        drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft
+    draft, drafter_state, cache = propose(
+        drafter, drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft, loop.cache
     )
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
-    verdict, cache = verify(
-        graphdef, params, spec, draft, pending, loop.cache, k_accept, feature_taps(drafter)
-    )
+    verdict, cache = verify(graphdef, params, spec, draft, pending, cache, k_accept, feature_taps(drafter))
     active, depth = ~loop.done_B, verdict.path.shape[1]
     loop = commit(loop, draft.layout, verdict, cache, spec, limit_B)
     if spec.adaptive_k is not None:

@@ -47,6 +47,9 @@ class Drafter(Protocol):
 
     # Optional: `feature_taps`, a tuple of target layers: the features `init` and `commit` receive are then those
     # layers' outputs followed by the final features, concatenated (`specjax.models.llama.features`; EAGLE-3).
+    # Optional: `reads_target_cache = True`: `propose` then also receives the target's KV cache (keyword
+    # `target_cache`) and returns (draft, state, cache), the cache changed only beyond its committed length (slots
+    # the verification pass overwrites); layer-skip drafting reads the target's keys/values so (`propose` below).
     # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
     # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
     # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and a round drafts at least as
@@ -67,6 +70,13 @@ class KOrTree:
     def with_k(self, k: int):
         """This drafter drafting chains of `k` tokens (adaptive K: one compiled round per K)."""
         return dataclasses.replace(self, k=k, tree=None)
+
+
+def propose(drafter, params, state, seq_BS, n_tokens_B, key, target_cache):
+    """(draft, drafter state, target cache): `drafter.propose`, handed the target's cache if it reads it."""
+    if getattr(drafter, "reads_target_cache", False):
+        return drafter.propose(params, state, seq_BS, n_tokens_B, key, target_cache=target_cache)
+    return (*drafter.propose(params, state, seq_BS, n_tokens_B, key), target_cache)
 
 
 def feature_taps(drafter) -> tuple[int, ...]:

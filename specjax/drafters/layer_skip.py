@@ -5,15 +5,14 @@ The draft is a `DraftModel` whose layer i is the target's layer `layers[i]`.
 
 What is shared with the target:
 - every parameter array: the draft's params are the target's own arrays (embedding, the kept blocks, final
-  norm, head), not copies; no parameter memory is added.
-
-What is not:
-- the KV cache. The drafter protocol hands a drafter the token sequence, not the target's cache, so the draft
-  keeps its own cache for the layers it runs (len(layers) / n_layers of the target's cache memory). For layers
-  0..j-1 with none skipped before them, the draft's keys/values equal the target's (same inputs, same
-  weights) and could be read from the target's cache if the loop passed it to `propose` (a change to
-  `specjax/decoding/speculative.py`, not made here); after a skipped layer the residual stream differs, so
-  those layers need the draft's own cache in any case.
+  norm, head), not copies; no parameter memory is added;
+- the KV cache: the draft keeps none of its own. Its layer i attends to the target's cached keys/values of
+  layer `layers[i]` for the committed tokens and writes its own for the pending token and the draft into the
+  target's cache beyond the committed length, where the verification pass overwrites them. For a layer with
+  no skipped layer before it (every layer of a first-k set) the cached keys/values are exactly those the
+  draft would compute itself (same inputs, same weights); after a skipped layer they are the target's, not
+  the skip model's (as in Draft & Verify and SWIFT): a different draft distribution, verified exactly all the
+  same, at no cache memory and one token fed per round.
 
 `layers="auto"` searches the set on a few calibration prompts (`search_layers`): per size, the set whose greedy
 predictions agree most with the target's (all subsets of a size when they are few, else backward elimination),
@@ -29,6 +28,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -136,14 +136,34 @@ def skip_model(cfg: LlamaConfig, params, layers: tuple[int, ...]):
 
 @dataclasses.dataclass(frozen=True)
 class LayerSkip(DraftModel):
-    """A `DraftModel` over the target's `layers`. `layers` is left out of the hash, so a skip set of the same
-    size reuses the compiled loop (the weights are arguments)."""
+    """A `DraftModel` over the target's `layers`, reading and writing the target's KV cache (no state)."""
 
-    layers: tuple[int, ...] = dataclasses.field(default=(), compare=False)
+    layers: tuple[int, ...] = ()
+    reads_target_cache: ClassVar[bool] = True
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         super().validate(target_cfg)
         parse_layers(format_layers(self.layers), target_cfg.n_layers)
+
+    def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH=None):
+        return ()
+
+    def propose(self, params, state, seq_BS, n_tokens_B, key, target_cache):
+        # The target's cache holds every token but the pending one: feed it, then draft.
+        view = target_cache.replace(
+            k=tuple(target_cache.k[i] for i in self.layers), v=tuple(target_cache.v[i] for i in self.layers)
+        )
+        logits, view = self._feed(params, view, seq_BS, n_tokens_B, 1)
+        draft, view = self.shape.search(
+            self._step(params), self.sampler, logits, None, n_tokens_B, view, key
+        )
+        k, v = list(target_cache.k), list(target_cache.v)
+        for i, layer in enumerate(self.layers):
+            k[layer], v[layer] = view.k[i], view.v[i]
+        return draft, state, target_cache.replace(k=tuple(k), v=tuple(v))
+
+    def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
+        return state
 
 
 def layer_skip_drafter(cfg: LlamaConfig, params, layers: tuple[int, ...], k: int, sampler, tree=None):

@@ -76,6 +76,13 @@ flags.DEFINE_enum(
     "Target of the adaptive-K table: stories260K (fixed overhead dominates its rounds) or its memory-bound "
     "expansion (drafters draft_model and eagle).",
 )
+flags.DEFINE_list(
+    "adaptive_costs",
+    [],
+    "Adaptive K's round costs per K (relative); empty: timed before the loop. Given costs also price every row's "
+    "rounds (modeled_vs_best), e.g. 1,1.19,1.33,1.52 as timed on the memory-bound target: the policy's choices "
+    "judged without the machine's noise.",
+)
 flags.DEFINE_integer("prompts", None, "Use the first this many prompts (default: all 10).")
 flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
@@ -210,15 +217,18 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
 def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     """Rows of each fixed K in `ks` and of adaptive K over them (chains, token-wise rule) for the drafter
     `build(name, k_max, sampler) -> (drafter, params)` on `target` (cfg, graphdef, params). Adaptive K's round
-    costs are calibrated on the first prompt before compiling (`costs`, relative to K = 1's); vs_best is the
-    median over repeats of the best fixed K's summed decode time over this row's (the best chosen afterwards by
-    median tokens/s), each repeat timing the runs in turn per prompt."""
+    costs are --adaptive_costs, else calibrated on the first prompt before compiling (`costs`, relative to K = 1's);
+    vs_best is the median over repeats of the best fixed K's summed decode time over this row's (the best chosen
+    afterwards by median tokens/s), each repeat timing the runs in turn per prompt. modeled_vs_best compares
+    tokens per modeled time, every round priced at adaptive K's cost of its K: the choice of K without the
+    machine's noise or the loop's own overhead."""
     cfg, graphdef, params = target
     sampler, n = Sampler(temperature), FLAGS.new_tokens
     drafter, dparams = build(name, ks[-1], sampler)
     bucket = -(-max(map(len, prompts)) // 8) * 8
     spec = GenerateSpec(n, sampler, eos_id=None)
-    job = dataclasses.replace(spec, adaptive_k=AdaptiveK(ks))
+    given = tuple(map(float, FLAGS.adaptive_costs)) or None
+    job = dataclasses.replace(spec, adaptive_k=AdaptiveK(ks, given))
     tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:1], job, bucket)
     adaptive = calibrate(cfg, graphdef, params, drafter, dparams, tokens, lengths, job).adaptive_k
     jobs = {f"K={k}": (drafter.with_k(k), spec) for k in ks}
@@ -233,19 +243,32 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
         for key, times in common.interleaved_times(fns, FLAGS.repeats).items():
             totals[key] = totals[key] + np.array(times)
             stats[key].append(jax.block_until_ready(runs[key]([p], i)).stats)
-    best = min((key for key in runs if key.startswith("K=")), key=lambda key: np.median(totals[key]))
+    totals_stats = {key: jax.tree.map(lambda *xs: np.sum(xs, axis=0), *s) for key, s in stats.items()}
+    modeled = {
+        key: modeled_tokens_per_cost(total, ks, adaptive.costs) for key, total in totals_stats.items()
+    }
+    fixed = [key for key in runs if key.startswith("K=")]
+    best = min(fixed, key=lambda key: np.median(totals[key]))
+    best_modeled = max(modeled[key] for key in fixed)
     costs = " ".join(f"{c / adaptive.costs[0]:.2f}" for c in adaptive.costs)
     rows = []
-    for key in runs:
-        total = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats[key])
+    for key, total in totals_stats.items():
         row = dict(drafter=name, T=temperature, draft=key, tau=summarize(total)["tau"])
         row |= dict(tok_s=len(prompts) * n / np.median(totals[key]), best_fixed=best)
         row |= dict(vs_best=float(np.median(totals[best] / totals[key])))
+        row["modeled_vs_best"] = modeled[key] / best_modeled
         k_hist = np.asarray(total.k_hist)
         row["rounds_by_k"] = " ".join(f"{k}:{k_hist[k]}" for k in ks if k < len(k_hist) and k_hist[k])
         row["costs"] = costs if key == adaptive.describe() else ""
         rows.append(row)
     return rows
+
+
+def modeled_tokens_per_cost(stats, ks, costs) -> float:
+    """Emitted tokens / the rounds' summed cost, a round drafting ks[i] tokens costing costs[i]."""
+    k_hist = np.asarray(stats.k_hist)
+    spent = sum(k_hist[k] * c for k, c in zip(ks, costs) if k < len(k_hist))
+    return float(np.asarray(stats.emitted).sum() / spent)
 
 
 def adaptive_setup(small):
@@ -294,7 +317,8 @@ def adaptive_table(small, prompts) -> str:
                 print(row, flush=True)
     title = (
         f"{AdaptiveK(ks).describe().capitalize()} vs each fixed K on {where} (chains, token-wise rule; "
-        "adaptive is told no K: its round costs are timed before the loop, costs relative to K=1), batch 1, "
+        "adaptive is told no K: its round costs are timed before the loop unless given, costs relative to K=1; "
+        "modeled_vs_best prices every round at those costs), batch 1, "
         f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}"
     )
     suffix = "" if FLAGS.adaptive_target == "stories260K" else "_expanded"

@@ -12,6 +12,8 @@ from helpers import RAGGED, SMALL, TARGET, cli, greedy_case, peaked, run_cli, ru
 
 from specjax import verify_exactness
 from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, speculative_generate
+from specjax.decoding.jobs import prepare_speculative
+from specjax.decoding.speculative import calibrate
 from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.drafters.ngram import NGram
@@ -21,7 +23,10 @@ from specjax.sampling import Sampler
 from specjax.trees import Chain
 
 COSTS = (1.2, 1.4, 1.8, 2.6)  # round costs of K = 1, 2, 4, 8: a draft step costs a fifth of a verification
-ADAPTIVE = AdaptiveK((1, 2, 4, 8), COSTS)
+ADAPTIVE = AdaptiveK(
+    (1, 2, 4, 8), COSTS
+)  # the defaults: a slow estimate starting at the measured acceptance
+FAST = dict(decay=0.9, prior=0.6, prior_weight=0.5)  # an estimate of a few rounds: K changes often
 
 
 def adaptive_spec(spec: GenerateSpec, adaptive: AdaptiveK = ADAPTIVE) -> GenerateSpec:
@@ -46,7 +51,7 @@ def test_greedy_equals_ar_with_trained_heads(stories, name, ks):
     cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
     entry = registry.get(name)
     drafter, dparams = entry.build(stories, entry.settings(), ks[-1], None, Sampler())
-    adaptive = AdaptiveK(ks, COSTS[: len(ks)])
+    adaptive = AdaptiveK(ks, COSTS[: len(ks)], **FAST)
     gen = speculative_generate(
         cfg, graphdef, params, drafter, dparams, prompts, adaptive_spec(spec, adaptive)
     )
@@ -105,17 +110,28 @@ def test_choice_follows_acceptance_along_the_text(right_then_wrong):
     for row, p in enumerate(RAGGED):
         greedy[row, : len(p) + 64] = p + ar[row].tolist()
     drafter = right_then_wrong.build(None, None, 8, None, None)[0]
-    hists = {}
-    for phase, right_for in [("right", 1000), ("wrong", 0), ("right 24, then wrong", 24)]:
+    hists, priors = {}, {}
+    for phase, right_for, adaptive in [
+        ("right", 1000, ADAPTIVE),
+        ("wrong", 0, ADAPTIVE),
+        ("right 24, then wrong", 24, AdaptiveK((1, 2, 4, 8), COSTS, **FAST)),
+    ]:
         dparams = (jnp.asarray(greedy), jnp.asarray(lengths + right_for))
-        gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec))
+        job = adaptive_spec(spec, adaptive)
+        tokens, padded, job = prepare_speculative(TINY, drafter, RAGGED, job)
+        priors[phase] = calibrate(
+            TINY, graphdef, params, drafter, dparams, tokens, padded, job
+        ).adaptive_k.prior
+        gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, job)
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=phase)
         hists[phase] = np.asarray(gen.stats.k_hist)[[1, 2, 4, 8]]  # row-rounds (4 rows) at K = 1, 2, 4, 8
-    # Always right: K = 8 but the first round (the prior's choice); always wrong: K = 1 after the first rounds.
-    assert hists["right"][3] >= 6 * 4 and hists["right"][:3].sum() <= 4, hists
-    assert hists["wrong"][0] >= 55 * 4 and hists["wrong"][1:].sum() <= 3 * 4, hists
-    # Right for 24 tokens (about 3 rounds of 8), then wrong for the other 40: K = 8 until the moving average
-    # of the acceptance falls (a few rounds of one token), then K = 1 (a token per round).
+    # The defaults start from the acceptance of a few rounds at K = 8 (kept within [0.05, 0.95]): always right,
+    # K = 8 from the first round; always wrong, K = 1 in every round (63: the first token comes with the prefill).
+    assert priors["right"] == 0.95 and priors["wrong"] == 0.05, priors
+    assert hists["right"][3] >= 6 * 4 and hists["right"][:3].sum() == 0, hists
+    assert hists["wrong"][0] == 63 * 4 and hists["wrong"][1:].sum() == 0, hists
+    # A fast estimate, right for 24 tokens (about 3 rounds of 8), then wrong for the other 40: K = 8 until the
+    # moving average of the acceptance falls (a few rounds of one token), then K = 1 (a token per round).
     assert hists["right 24, then wrong"][3] >= 2 * 4 and hists["right 24, then wrong"][0] >= 25 * 4, hists
 
 
@@ -129,7 +145,7 @@ def test_sampling_is_exact_while_k_changes(monkeypatch):
     dcfg, dgraphdef, dparams = truncated_target(SMALL, params, 1)
     sampler, n, prompt = Sampler(1.0), 20_000, [1, 3]
     exact = verify_exactness.target_distribution(SMALL, graphdef, params, prompt, sampler, 4)
-    adaptive = AdaptiveK((1, 3), costs=(1.0, 1.02), prior=0.1)
+    adaptive = AdaptiveK((1, 3), costs=(1.0, 1.02), **FAST | dict(prior=0.1))
     spec = GenerateSpec(4, sampler, eos_id=None, adaptive_k=adaptive)
     drafter = DraftModel(dcfg, dgraphdef, 3, sampler)
     run = lambda: speculative_generate(
@@ -181,7 +197,7 @@ def test_statistics_with_adaptive_k():
 
 def test_a_round_drafts_at_least_what_a_row_accepted_the_round_before():
     """Even when the costs favour K = 1: drafters may size their re-reading by this round's K (EAGLE)."""
-    adaptive = AdaptiveK((1, 2, 4, 8), (1.0, 10.0, 10.0, 10.0))
+    adaptive = AdaptiveK((1, 2, 4, 8), (1.0, 10.0, 10.0, 10.0), prior=0.6)
     estimate = adaptive.zeros()
     assert int(adaptive.choose(estimate)) == 0
     estimate = adaptive.observe(estimate, 8, jnp.array([5, 1]), jnp.array([True, True]))

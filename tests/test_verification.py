@@ -554,3 +554,7 @@ def test_bench_verification_smoke(tmp_path):
         adaptive = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert [row["draft"] for row in adaptive] == ["K=1", "K=2", "adaptive K in {1, 2}"]
     assert adaptive[2]["rounds_by_k"] and float(adaptive[2]["vs_best"]) > 0
+    modeled = [
+        float(row["modeled_vs_best"]) for row in adaptive
+    ]  # the best fixed K's modeled rate is the unit
+    assert max(modeled[:2]) == 1.0 and 0 < modeled[2] <= 1.2

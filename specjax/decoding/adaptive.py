@@ -35,15 +35,20 @@ class AdaptiveK:
     alpha_i, the acceptance of draft position i given all before it were, is an exponential moving average over
       rounds (`decay` per round) of the batch's row-rounds (per row) that accepted position i over those that
       proposed it with all before it accepted, plus `prior_weight` pseudo row-rounds at the pooled rate of all
-      positions (a position never proposed takes it: the i.i.d. model of `specjax.analysis`).
+      positions (a position never proposed takes it: the i.i.d. model of `specjax.analysis`), which starts at
+      `prior` with the same weight. prior None: the acceptance rate of a few rounds at the largest K, measured
+      with the costs by `calibrate`. The defaults (a memory of about 100 rounds, 20 pseudo row-rounds, the
+      measured prior) come from `experiments.bench_verification --adaptive_costs`: a memory of 10 rounds, half a
+      pseudo row-round and a fixed prior of 0.6 chased single rounds' noise, mostly into K = 1 in the first rounds
+      of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time.
     A round drafts at least as many tokens as a row accepted in the round before (the smallest K in `ks` that
     covers them), so a drafter may size its re-reading by this round's K (EAGLE re-reads K + 1 tokens)."""
 
     ks: tuple[int, ...] = (1, 2, 4, 8)
     costs: tuple[float, ...] | None = None
-    decay: float = 0.9
-    prior: float = 0.6
-    prior_weight: float = 0.5
+    decay: float = 0.99
+    prior: float | None = None
+    prior_weight: float = 20.0
 
     def __post_init__(self):
         ks = tuple(self.ks)
@@ -57,7 +62,9 @@ class AdaptiveK:
             if len(costs) != len(ks) or min(costs) <= 0:
                 raise ValueError(f"adaptive K needs one positive round cost per K in {ks}; got {costs}")
             object.__setattr__(self, "costs", costs)
-        if not (0 <= self.decay < 1 and 0 < self.prior < 1 and self.prior_weight > 0):
+        if not (
+            0 <= self.decay < 1 and (self.prior is None or 0 < self.prior < 1) and self.prior_weight > 0
+        ):
             raise ValueError(
                 "adaptive K needs 0 <= decay < 1, 0 < prior < 1 and prior_weight > 0; got "
                 f"decay={self.decay}, prior={self.prior}, prior_weight={self.prior_weight}"
@@ -95,8 +102,9 @@ class AdaptiveK:
         return (accepted + w * pooled) / (proposed + w)
 
     def pick(self, counts_2K, floor):
-        """[] index into `ks` of the best K (the smaller on ties) that is at least `floor` (0 without costs)."""
-        if self.costs is None:  # calibrating: the caller chooses
+        """[] index into `ks` of the best K (the smaller on ties) that is at least `floor` (0 without costs or
+        prior)."""
+        if self.costs is None or self.prior is None:  # calibrating: the caller chooses
             return jnp.int32(0)
         gain = expected_tokens_by_position(self.alpha(counts_2K))[jnp.asarray(self.ks) - 1]
         lowest = jnp.sum(jnp.asarray(self.ks) < floor)  # the first K >= floor

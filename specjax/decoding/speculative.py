@@ -233,35 +233,43 @@ _start = jax.jit(start, static_argnames=("cfg", "graphdef", "drafter", "spec"))
 def _timed_rounds(graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys, index, rounds):
     go_on = lambda lp: lp.stats.rounds < rounds
     args = (graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys)
-    return adaptive_rounds(*args, go_on, lambda lp: index).n_tokens_B
+    return adaptive_rounds(*args, go_on, lambda lp: index).stats
 
 
 def calibrate(
     cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, spec, rounds=32, repeats=9
 ):
-    """`spec` with adaptive K's round costs measured, unless given: per K, the median over `repeats` of the time
-    of `rounds` rounds from the start of this job less the time of a call running none (the call's overhead),
-    divided by `rounds`. One compiled function, the K and the number of rounds its arguments."""
+    """`spec` with adaptive K's round costs and prior measured, where not given. Costs: per K, the median over
+    `repeats` of the time of `rounds` rounds from the start of this job less the time of a call running none (the
+    call's overhead), divided by `rounds`. Prior: the acceptance rate of all draft positions over `rounds` rounds
+    at the largest K (kept within [0.05, 0.95]). One compiled function, the K and the number of rounds its
+    arguments."""
     adaptive = spec.adaptive_k
-    if adaptive is None or adaptive.costs is not None:
+    if adaptive is None or (adaptive.costs is not None and adaptive.prior is not None):
         return spec
     loop, limit, keys = _start(
         cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, job_key(0), spec
     )
     args = (graphdef, params, drafter, drafter_params, spec, loop, limit, keys)
+    run = lambda index, n: jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
+    stats = run(len(adaptive.ks) - 1, rounds)  # compiles
+    if adaptive.prior is None:
+        rate = float(jnp.sum(stats.accepted_at) / jnp.maximum(jnp.sum(stats.reached_at), 1))
+        adaptive = dataclasses.replace(adaptive, prior=min(max(rate, 0.05), 0.95))
+    if adaptive.costs is None:
 
-    def seconds(index: int, n: int) -> float:
-        begin = time.perf_counter()
-        jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
-        return time.perf_counter() - begin
+        def seconds(index: int, n: int) -> float:
+            begin = time.perf_counter()
+            run(index, n)
+            return time.perf_counter() - begin
 
-    seconds(0, rounds)  # compiles
-    per_round = [[] for _ in adaptive.ks]
-    for _ in range(repeats):  # each K in turn: a drifting machine speed reaches all alike
-        for i, t in enumerate(per_round):
-            t.append((seconds(i, rounds) - seconds(i, 0)) / rounds)
-    costs = tuple(max(float(np.median(t)), 1e-9) for t in per_round)
-    return dataclasses.replace(spec, adaptive_k=dataclasses.replace(adaptive, costs=costs))
+        per_round = [[] for _ in adaptive.ks]
+        for _ in range(repeats):  # each K in turn: a drifting machine speed reaches all alike
+            for i, t in enumerate(per_round):
+                t.append((seconds(i, rounds) - seconds(i, 0)) / rounds)
+        costs = tuple(max(float(np.median(t)), 1e-9) for t in per_round)
+        adaptive = dataclasses.replace(adaptive, costs=costs)
+    return dataclasses.replace(spec, adaptive_k=adaptive)
 
 
 def speculative_generate(
@@ -275,7 +283,7 @@ def speculative_generate(
     seed: int = 0,
 ) -> SpecGeneration:
     """Speculative decoding of a batch of prompts: same output distribution as `generate` (greedy: same
-    tokens) for a lossless acceptance rule. Adaptive K without costs first times a few rounds per K."""
+    tokens) for a lossless acceptance rule. Adaptive K without costs or prior first runs a few rounds per K."""
     tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
     spec = calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, spec)
     return speculative_compiled(

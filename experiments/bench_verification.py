@@ -6,6 +6,8 @@ token-wise rejection sampling vs block verification (both lossless) and typical 
     .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_k=1,2,4,8  # adaptive K only
     .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_target=expanded --prompts=4 \
         --new_tokens=64 --temperatures=0.6,1.0  # adaptive K on the memory-bound target
+    .venv/bin/python -m experiments.bench_verification --drafters= --adaptive_costs=1,1.21,1.35,1.57 \
+        --temperatures=0,0.6,1.0  # its choices at the expansion's round costs, on stories260K's acceptance
 
 Drafters come from the registry (the draft model: the target truncated to 3 layers, see SETTINGS; EAGLE and
 Medusa: the committed heads in heads/). Per drafter, temperature and rule:
@@ -21,8 +23,8 @@ Medusa: the committed heads in heads/). Per drafter, temperature and rule:
 AR's row (tokens/s) is measured once per temperature. A second table (`bench_adaptive`) compares adaptive K with
 each fixed K and the best of them, chosen afterwards, on stories260K or (`--adaptive_target=expanded`) on its
 memory-bound expansion of `experiments.bench_memory_bound`, where a round's cost is the target's. Writes
-results/bench_verification.{md,csv} and results/bench_verification_adaptive[_expanded].{md,csv} (--smoke:
-*_smoke, Medusa at T=1 on 2 short prompts, a chain and a small tree, adaptive K in {1, 2}).
+results/bench_verification.{md,csv} and results/bench_verification_adaptive[_expanded][_given_costs].{md,csv}
+(--smoke: *_smoke, Medusa at T=1 on 2 short prompts, a chain and a small tree, adaptive K in {1, 2}).
 """
 
 from __future__ import annotations
@@ -322,6 +324,7 @@ def adaptive_table(small, prompts) -> str:
         f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}"
     )
     suffix = "" if FLAGS.adaptive_target == "stories260K" else "_expanded"
+    suffix += "_given_costs" if FLAGS.adaptive_costs else ""
     name = "bench_verification_adaptive" + suffix + ("_smoke" if FLAGS.smoke else "")
     return common.write_table(name, rows, title)
 

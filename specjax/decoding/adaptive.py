@@ -21,7 +21,6 @@ class Estimate:
     """What adaptive K knows on device after the rounds so far."""
 
     counts_2K: jax.Array  # EMAs of row-rounds (per row) that accepted / proposed draft position i < K_max
-    floor: jax.Array  # [] the most draft tokens a row accepted last round
     choice: jax.Array  # [] index into `ks` of the next round's K
 
 
@@ -40,9 +39,7 @@ class AdaptiveK:
       with the costs by `calibrate`. The defaults (a memory of about 100 rounds, 20 pseudo row-rounds, the
       measured prior) come from `experiments.bench_verification --adaptive_costs`: a memory of 10 rounds, half a
       pseudo row-round and a fixed prior of 0.6 chased single rounds' noise, mostly into K = 1 in the first rounds
-      of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time.
-    A round drafts at least as many tokens as a row accepted in the round before (the smallest K in `ks` that
-    covers them), so a drafter may size its re-reading by this round's K (EAGLE re-reads K + 1 tokens)."""
+      of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time."""
 
     ks: tuple[int, ...] = (1, 2, 4, 8)
     costs: tuple[float, ...] | None = None
@@ -91,7 +88,7 @@ class AdaptiveK:
     def zeros(self) -> Estimate:
         """The estimate before any round."""
         counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
-        return Estimate(counts_2K, jnp.int32(0), self.pick(counts_2K, jnp.int32(0)))
+        return Estimate(counts_2K, self.pick(counts_2K))
 
     def alpha(self, estimate_2K):
         """[K_max] the per-position acceptance estimate: each position's counts plus `prior_weight` pseudo
@@ -101,14 +98,12 @@ class AdaptiveK:
         pooled = (accepted.sum() + w * self.prior) / (proposed.sum() + w)
         return (accepted + w * pooled) / (proposed + w)
 
-    def pick(self, counts_2K, floor):
-        """[] index into `ks` of the best K (the smaller on ties) that is at least `floor` (0 without costs or
-        prior)."""
+    def pick(self, counts_2K):
+        """[] index into `ks` of the best K (the smaller on ties; 0 without costs or prior)."""
         if self.costs is None or self.prior is None:  # calibrating: the caller chooses
             return jnp.int32(0)
         gain = expected_tokens_by_position(self.alpha(counts_2K))[jnp.asarray(self.ks) - 1]
-        lowest = jnp.sum(jnp.asarray(self.ks) < floor)  # the first K >= floor
-        return jnp.maximum(jnp.argmax(gain / jnp.asarray(self.costs)), lowest).astype(jnp.int32)
+        return jnp.argmax(gain / jnp.asarray(self.costs)).astype(jnp.int32)
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""
@@ -122,5 +117,4 @@ class AdaptiveK:
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        floor = jnp.max(jnp.where(active_B, n_accepted_B, 0))
-        return Estimate(counts_2K, floor, self.pick(counts_2K, floor))
+        return Estimate(counts_2K, self.pick(counts_2K))

@@ -52,8 +52,8 @@ class Drafter(Protocol):
     # the verification pass overwrites); layer-skip drafting reads the target's keys/values so (`propose` below).
     # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
     # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
-    # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and a round drafts at least as
-    # many tokens as a row accepted in the round before.
+    # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and the round before may have
+    # accepted more tokens than this round drafts (EAGLE re-reads as many as the largest K's state holds).
 
 
 class KOrTree:

@@ -133,7 +133,8 @@ class Eagle(KOrTree):
 
     def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
         # Re-read the last round with true features: slots committed .. n_tokens - 2 hold (token i + 1, feature i).
-        w = self.k + 1  # the last round accepted at most K (adaptive K: the state is the largest K's)
+        # The last round accepted at most K_max tokens: the state is the largest K's (adaptive K may draft fewer).
+        w = state.feats.shape[1]
         positions = state.committed[:, None] + jnp.arange(w)[None]
         tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
         logits, feats, cache = self.apply(

@@ -82,7 +82,7 @@ flags.DEFINE_list(
     "adaptive_costs",
     [],
     "Adaptive K's round costs per K (relative); empty: timed before the loop. Given costs also price every row's "
-    "rounds (modeled_vs_best), e.g. 1,1.19,1.33,1.52 as timed on the memory-bound target: the policy's choices "
+    "rounds (modeled_vs_best), e.g. 1,1.21,1.35,1.57 as timed on the memory-bound target: the policy's choices "
     "judged without the machine's noise.",
 )
 flags.DEFINE_integer("prompts", None, "Use the first this many prompts (default: all 10).")

@@ -23,9 +23,8 @@ from specjax.sampling import Sampler
 from specjax.trees import Chain
 
 COSTS = (1.2, 1.4, 1.8, 2.6)  # round costs of K = 1, 2, 4, 8: a draft step costs a fifth of a verification
-ADAPTIVE = AdaptiveK(
-    (1, 2, 4, 8), COSTS
-)  # the defaults: a slow estimate starting at the measured acceptance
+# The defaults: a slow estimate starting at the measured acceptance.
+ADAPTIVE = AdaptiveK((1, 2, 4, 8), COSTS)
 FAST = dict(decay=0.9, prior=0.6, prior_weight=0.5)  # an estimate of a few rounds: K changes often
 
 

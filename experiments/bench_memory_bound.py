@@ -20,9 +20,9 @@ model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
   stories, lookahead, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) and EAGLE-3 (chain,
   dynamic trees) at each temperature and batch on free continuation; n-gram, retrieval, lookahead and EAGLE-3's
   chain also greedy at batch 1 on input-grounded retelling and long generation (`jobs`): tau, pooled acceptance
-  rate a, draft cost c (one drafter call / one
-  1-token target pass), verify cost v (the round's target pass / a 1-token pass, from the curve), tokens/s,
-  speedup over AR (median of per-repetition ratios, the runs taking turns), the analytic prediction
+  rate a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the round's target pass / a
+  1-token pass, from the curve), tokens/s, speedup over AR (median of per-repetition ratios, the runs taking
+  turns), the analytic prediction
   E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, measured /
   predicted, and loop efficiency (the model calls' time from the curve / the measured time per round). AR's
   row gives its fraction of the bandwidth floor.
@@ -568,11 +568,7 @@ def decode_rows(
         groups = [prompts[i : i + b] for i in range(0, len(prompts), b)]
         one = curves[b][1]
         sampler = Sampler(temperature)
-        kinds = (
-            settings.kinds
-            if category == "free"
-            else tuple(set(settings.kinds) & set(settings.category_kinds))
-        )
+        kinds = tuple(k for k in settings.kinds if category == "free" or k in settings.category_kinds)
         drafters = {
             (method, desc): make_drafter(method, target, draft_model, loaded, k, tree, sampler)
             for method, desc, k, tree in methods(

@@ -8,10 +8,11 @@ distribution*): 32 layers of width 512, 372 MB of float32 weights read per token
 heads are expanded the same way, so tau and alpha are stories260K's and the costs are those of a memory-bound
 model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
 
-- machine and verify-cost curve: read bandwidth (a compiled sum over 512 MB) and matmul FLOP/s measured in the
-  same run, taking turns with one target pass over T = 1, 2, 4, ..., 64 new tokens (batch 1 and 4; stories260K at
-  batch 1), the fastest of >= 5 repetitions each, next to the bandwidth floor (weights + the KV cache read /
-  bandwidth) and the compute roof (2 x parameters x tokens / FLOP/s).
+- machine and verify-cost curve: read bandwidth (the faster of a compiled sum and a matrix-vector product over
+  512 MB, `bandwidth_fns`) and matmul FLOP/s measured in the same run, taking turns with one target pass over
+  T = 1, 2, 4, ..., 64 new tokens (batch 1 and 4; stories260K at batch 1), the fastest of >= 5 repetitions each,
+  next to the bandwidth floor (weights + the KV cache read / bandwidth) and the compute roof (2 x parameters x
+  tokens / FLOP/s).
 - pilot: EAGLE's tau for chain lengths and dynamic-tree budgets, measured on stories260K itself (the expansion
   keeps every draft, so tau carries over), turned into a predicted speedup with the curve: the decode table uses
   the best chain K and the two best dynamic budgets, and static trees of the best budget.
@@ -22,10 +23,11 @@ model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
   chain also greedy at batch 1 on input-grounded retelling and long generation (`jobs`): tau, pooled acceptance
   rate a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the round's target pass / a
   1-token pass, from the curve), tokens/s, speedup over AR (median of per-repetition ratios, the runs taking
-  turns), the analytic prediction
-  E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, measured /
-  predicted, and loop efficiency (the model calls' time from the curve / the measured time per round). AR's
-  row gives its fraction of the bandwidth floor.
+  turns) end to end and of the decoding phase (both times less the jobs' prefill passes, costed from the
+  curve at the padded prompt width), the analytic prediction E / (n_calls x c + v) with
+  E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, the decoding speedup / the
+  prediction, and loop efficiency (the model calls' time from the curve / the measured decoding time per
+  round). AR's row gives a decoding step's fraction of the bandwidth floor.
 - k: EAGLE-3's chain for K = 1..8 with Theorem 3.8's optimum for the measured costs marked.
 - batch: AR against EAGLE-3's chain at batch 1..16, with the costs measured at each batch: where the speedup
   crosses 1.
@@ -206,10 +208,17 @@ def interleaved(fns: dict, repeats: int) -> dict:
     return times
 
 
-def bandwidth_fn(mbytes: int):
+def bandwidth_fns(mbytes: int) -> tuple[int, dict]:
+    """(bytes, {reader: timed function}): two ways to read `mbytes` MB of float32, a sum and a matrix-vector
+    product over a [rows, 4096] matrix. On the 2-core host neither is always the faster (the sum read 42-46
+    GB/s and the product 47-50 in one hour, 74 and 65 in another), so the floor takes the faster of the two."""
     x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return x.nbytes, lambda: total(x).block_until_ready()
+    w, v = x.reshape(-1, 4096), jnp.ones((4096,), jnp.float32)
+    total, product = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    return x.nbytes, {
+        "sum": lambda: total(x).block_until_ready(),
+        "matvec": lambda: product(w, v).block_until_ready(),
+    }
 
 
 def matmul_fn():
@@ -331,7 +340,8 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     cfg, graphdef, params = target
     size, half = CURVE_CACHE, half_cache
     fns = {}
-    nbytes, fns["bandwidth"] = bandwidth_fn(settings.bandwidth_mb)
+    nbytes, readers = bandwidth_fns(settings.bandwidth_mb)
+    fns |= {f"read {name}": fn for name, fn in readers.items()}
     flop, fns["matmul"] = matmul_fn()
     for b in settings.batches:
         for t in settings.curve:
@@ -360,9 +370,12 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     # The fastest of the repetitions: a pass's cost is a property of the program, and other work on a shared
     # machine only adds to it (medians moved by 2x between runs while the machine was busy; minima held).
     times = {k: min(v) for k, v in interleaved(fns, max(settings.repeats, 5)).items()}
-    bw, flops = nbytes / times["bandwidth"], flop / times["matmul"]
+    reads = {name: nbytes / times[f"read {name}"] for name in readers}
+    bw, flops = max(reads.values()), flop / times["matmul"]
     machine = dict(
         read_GBs=bw / 1e9,
+        sum_read_GBs=reads["sum"] / 1e9,
+        matvec_read_GBs=reads["matvec"] / 1e9,
         matmul_GFLOPs=flops / 1e9,
         target_weight_MB=expand.weight_bytes(cfg) / 1e6,
         kv_KB_per_position=expand.kv_bytes_per_position(cfg) / 1024,
@@ -533,10 +546,22 @@ def jobs(settings: Settings) -> list[tuple]:
     return out
 
 
+def prompt_width(groups) -> int:
+    """The width every job of `groups` pads its prompts to (one compiled program per method)."""
+    return 32 * -(-max(len(p) for g in groups for p in g) // 32)
+
+
+def decoding_speedup(ar: list[float], spec: list[float], prefill_s: float) -> float:
+    """Median over repetitions of AR's time / the speculative run's time, both less `prefill_s` (the jobs'
+    prefill passes, the same for both): the decoding phase, which speculation speeds up and the per-round
+    prediction describes. The end-to-end ratio is diluted towards 1 by the shared prefill."""
+    return statistics.median((x - prefill_s) / (y - prefill_s) for x, y in zip(ar, spec))
+
+
 def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
     """({name: seconds per repetition}, {name: the last repetition's outputs per group}): AR and each
     {name: (drafter, params)} compiled for the groups' padded width, then run in turns."""
-    bucket = 32 * -(-max(len(p) for g in groups for p in g) // 32)  # every group pads to one width
+    bucket = prompt_width(groups)
     runs = {"AR": compile_job(target, groups[0], kw, bucket=bucket)}
     for name, (drafter, dp) in drafters.items():
         runs[name] = compile_job(target, groups[0], kw, drafter, dp, bucket=bucket)
@@ -578,13 +603,15 @@ def decode_rows(
         kw = dict(max_new_tokens=new_tokens, sampler=sampler)
         times, outputs = timed_runs(target, groups, kw, drafters, settings.repeats)
         ar = times["AR"]
-        ar_step = statistics.median(ar) / (len(groups) * new_tokens)
+        prefill_s = len(groups) * interp_cost(curves[b], prompt_width(groups))  # one prefill pass a job
+        ar_step = (statistics.median(ar) - prefill_s) / (len(groups) * (new_tokens - 1))  # after prefill
         read = expand.weight_bytes(cfg) + b * 96 * expand.kv_bytes_per_position(cfg)
         base = dict(category=category, batch=b, T=temperature)
         rows.append(
             base
-            | dict(method="AR", draft="-", tau=1.0, a=nan, c=nan, v=1.0, tok_s=1 / ar_step)
-            | dict(speedup=1.0, predicted=1.0, measured_over_predicted=1.0, of_floor=(read / bw) / ar_step)
+            | dict(method="AR", draft="-", tau=1.0, a=nan, c=nan, v=1.0)
+            | dict(tok_s=len(prompts) * new_tokens / statistics.median(ar), speedup=1.0, decode_speedup=1.0)
+            | dict(predicted=1.0, measured_over_predicted=1.0, of_floor=(read / bw) / ar_step)
             | dict(loop_eff=one / ar_step)
         )
         for (method, desc), (drafter, _) in drafters.items():
@@ -599,14 +626,17 @@ def decode_rows(
                 expected_tokens_per_round(m["acceptance_rate"], drafter.shape.depth) if chain else m["tau"]
             )
             predicted = e_tokens / (calls * c + v)
-            spec_s = statistics.median(times[(method, desc)])
-            ratio = statistics.median(x / y for x, y in zip(ar, times[(method, desc)]))
+            spec = times[(method, desc)]
+            spec_s = statistics.median(spec)
+            decoding = decoding_speedup(ar, spec, prefill_s)
+            round_s = (spec_s - prefill_s) / m["rounds"]
             rows.append(
                 base
                 | dict(method=method, draft=desc, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
-                | dict(tok_s=len(prompts) * new_tokens / spec_s, speedup=ratio, predicted=predicted)
-                | dict(measured_over_predicted=ratio / predicted, of_floor=nan)
-                | dict(loop_eff=loop_efficiency(calls * c * one, v * one, spec_s / m["target_passes"]))
+                | dict(tok_s=len(prompts) * new_tokens / spec_s)
+                | dict(speedup=statistics.median(x / y for x, y in zip(ar, spec)), decode_speedup=decoding)
+                | dict(predicted=predicted, measured_over_predicted=decoding / predicted, of_floor=nan)
+                | dict(loop_eff=loop_efficiency(calls * c * one, v * one, round_s))
             )
             print(rows[-1], flush=True)
     return rows
@@ -627,21 +657,16 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
     times, outputs = timed_runs(
         target, prompts, dict(max_new_tokens=settings.new_tokens), drafters, settings.repeats
     )
+    prefill_s = len(prompts) * interp_cost(curves[1], prompt_width(prompts))
     rows = []
     for k in settings.chain_ks:
         m = pooled([g.stats for g in outputs[k]])
-        speedup = statistics.median(x / y for x, y in zip(times["AR"], times[k]))
         a = m["acceptance_rate"]
         rows.append(
-            dict(
-                K=k,
-                tau=m["tau"],
-                a=a,
-                c=c,
-                v=cost(k) - k * c,
-                speedup=speedup,
-                predicted=expected_tokens_per_round(a, k) / cost(k),
-            )
+            dict(K=k, tau=m["tau"], a=a, c=c, v=cost(k) - k * c)
+            | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times[k])))
+            | dict(decode_speedup=decoding_speedup(times["AR"], times[k], prefill_s))
+            | dict(predicted=expected_tokens_per_round(a, k) / cost(k))
         )
     mean_a = float(np.mean([r["a"] for r in rows]))
     best = max(settings.chain_ks, key=lambda k: expected_tokens_per_round(mean_a, k) / cost(k))
@@ -657,17 +682,18 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     from specjax.metrics import pooled
 
     cfg, graphdef, params = target
+    groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
+    width = prompt_width(list(groups.values()))
     fns = {}
     for b in settings.sweep_batches:
-        for t in (1, chain_k + 1):
+        for t in (1, chain_k + 1, width):
             fns[(b, t)] = pass_loop(model_step(graphdef), params, half_cache(cfg, b), b, t, settings.calls)
         fns[(b, "head")] = eagle_step(loaded, "eagle3", target, b, settings.calls)
     cost = {key: min(v) for key, v in interleaved(fns, max(settings.repeats, 5)).items()}
     rows, n = [], max(settings.new_tokens // 2, 1)
     for b in settings.sweep_batches:
-        group = [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]]
         drafter = {"eagle3": make_drafter("eagle3", target, None, loaded, chain_k, None, Sampler())}
-        times, outputs = timed_runs(target, [group], dict(max_new_tokens=n), drafter, settings.repeats)
+        times, outputs = timed_runs(target, [groups[b]], dict(max_new_tokens=n), drafter, settings.repeats)
         m = pooled([g.stats for g in outputs["eagle3"]])
         c, v = cost[(b, "head")] / cost[(b, 1)], cost[(b, chain_k + 1)] / cost[(b, 1)]
         rows.append(
@@ -675,6 +701,11 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
             | dict(ar_tok_s=b * n / statistics.median(times["AR"]))
             | dict(spec_tok_s=b * n / statistics.median(times["eagle3"]))
             | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times["eagle3"])))
+            | dict(
+                decode_speedup=decoding_speedup(
+                    times["AR"], times["eagle3"], cost[(b, width)] / settings.calls
+                )
+            )
             | dict(predicted=expected_tokens_per_round(m["acceptance_rate"], chain_k) / (chain_k * c + v))
         )
         print(rows[-1], flush=True)

@@ -86,6 +86,9 @@ flags.DEFINE_list(
     "judged without the machine's noise.",
 )
 flags.DEFINE_integer("prompts", None, "Use the first this many prompts (default: all 10).")
+flags.DEFINE_integer(
+    "seeds", 1, "Adaptive-K table: seeds per prompt at T > 0 (more samples, a tighter bootstrap interval)."
+)
 flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
 )
@@ -219,11 +222,13 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
 def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     """Rows of each fixed K in `ks` and of adaptive K over them (chains, token-wise rule) for the drafter
     `build(name, k_max, sampler) -> (drafter, params)` on `target` (cfg, graphdef, params). Adaptive K's round
-    costs are --adaptive_costs, else calibrated on the first prompt before compiling (`costs`, relative to K = 1's);
-    vs_best is the median over repeats of the best fixed K's summed decode time over this row's (the best chosen
-    afterwards by median tokens/s), each repeat timing the runs in turn per prompt. modeled_vs_best compares
-    tokens per modeled time, every round priced at adaptive K's cost of its K: the choice of K without the
-    machine's noise or the loop's own overhead."""
+    costs are --adaptive_costs, else calibrated on the first prompt before compiling (`costs`, relative to K = 1's).
+    Each prompt is decoded with --seeds seeds at T > 0 (a sample: one prompt and seed). vs_best is the median over
+    repeats of the best fixed K's summed decode time over this row's (the best chosen afterwards by median
+    tokens/s), each repeat timing the runs in turn per sample. modeled_vs_best compares tokens per modeled time,
+    every round priced at adaptive K's cost of its K: the choice of K without the machine's noise or the loop's
+    own overhead. Each ratio comes with a 95% bootstrap interval over the samples (`bootstrap_vs_best`): at
+    T > 0 the rows' tau differ by sampling noise as well as by their choice of K."""
     cfg, graphdef, params = target
     sampler, n = Sampler(temperature), FLAGS.new_tokens
     drafter, dparams = build(name, ks[-1], sampler)
@@ -239,12 +244,16 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
         key: compile_decode(cfg, graphdef, params, prompts[:1], job_spec, job_drafter, dparams, bucket)[0]
         for key, (job_drafter, job_spec) in jobs.items()
     }
-    totals, stats = dict.fromkeys(runs, 0.0), {key: [] for key in runs}  # totals: [repeats] over prompts
-    for i, p in enumerate(prompts):
-        fns = {key: (lambda r=run: jax.block_until_ready(r([p], i))) for key, run in runs.items()}
+    seeds = FLAGS.seeds if temperature > 0 else 1  # greedy decoding draws nothing
+    samples = [(p, i * seeds + j) for i, p in enumerate(prompts) for j in range(seeds)]
+    totals, stats = dict.fromkeys(runs, 0.0), {key: [] for key in runs}  # totals: [repeats] over samples
+    sample_s = {key: [] for key in runs}  # per sample: median over repeats
+    for p, seed in samples:
+        fns = {key: (lambda r=run: jax.block_until_ready(r([p], seed))) for key, run in runs.items()}
         for key, times in common.interleaved_times(fns, FLAGS.repeats).items():
             totals[key] = totals[key] + np.array(times)
-            stats[key].append(jax.block_until_ready(runs[key]([p], i)).stats)
+            sample_s[key].append(np.median(times))
+            stats[key].append(jax.block_until_ready(runs[key]([p], seed)).stats)
     totals_stats = {key: jax.tree.map(lambda *xs: np.sum(xs, axis=0), *s) for key, s in stats.items()}
     modeled = {
         key: modeled_tokens_per_cost(total, ks, adaptive.costs) for key, total in totals_stats.items()
@@ -252,13 +261,18 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     fixed = [key for key in runs if key.startswith("K=")]
     best = min(fixed, key=lambda key: np.median(totals[key]))
     best_modeled = max(modeled[key] for key in fixed)
+    tokens = np.full(len(samples), float(n))
+    wall_ci = bootstrap_vs_best({key: (tokens, np.array(sample_s[key])) for key in runs}, fixed)
+    modeled_ci = bootstrap_vs_best(
+        {key: modeled_tokens_and_cost(s, ks, adaptive.costs) for key, s in stats.items()}, fixed
+    )
     costs = " ".join(f"{c / adaptive.costs[0]:.2f}" for c in adaptive.costs)
     rows = []
     for key, total in totals_stats.items():
         row = dict(drafter=name, T=temperature, draft=key, tau=summarize(total)["tau"])
-        row |= dict(tok_s=len(prompts) * n / np.median(totals[key]), best_fixed=best)
-        row |= dict(vs_best=float(np.median(totals[best] / totals[key])))
-        row["modeled_vs_best"] = modeled[key] / best_modeled
+        row |= dict(tok_s=len(samples) * n / np.median(totals[key]), best_fixed=best)
+        row |= dict(vs_best=float(np.median(totals[best] / totals[key])), vs_best_95=wall_ci[key])
+        row |= dict(modeled_vs_best=modeled[key] / best_modeled, modeled_vs_best_95=modeled_ci[key])
         k_hist = np.asarray(total.k_hist)
         row["rounds_by_k"] = " ".join(f"{k}:{k_hist[k]}" for k in ks if k < len(k_hist) and k_hist[k])
         row["costs"] = costs if key == adaptive.describe() else ""
@@ -268,9 +282,29 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
 
 def modeled_tokens_per_cost(stats, ks, costs) -> float:
     """Emitted tokens / the rounds' summed cost, a round drafting ks[i] tokens costing costs[i]."""
-    k_hist = np.asarray(stats.k_hist)
-    spent = sum(k_hist[k] * c for k, c in zip(ks, costs) if k < len(k_hist))
-    return float(np.asarray(stats.emitted).sum() / spent)
+    emitted, spent = modeled_tokens_and_cost([stats], ks, costs)
+    return float(emitted[0] / spent[0])
+
+
+def modeled_tokens_and_cost(stats_list, ks, costs) -> tuple[np.ndarray, np.ndarray]:
+    """Per run's statistics: (emitted tokens, the rounds' summed cost at `costs` per K in `ks`)."""
+    emitted, spent = [], []
+    for stats in stats_list:
+        k_hist = np.asarray(stats.k_hist)
+        emitted.append(float(np.asarray(stats.emitted).sum()))
+        spent.append(sum(k_hist[k] * c for k, c in zip(ks, costs) if k < len(k_hist)))
+    return np.array(emitted), np.array(spent)
+
+
+def bootstrap_vs_best(per_sample: dict, fixed: list, draws: int = 2000, seed: int = 0) -> dict:
+    """{key: "lo-hi"}: the 95% bootstrap interval of key's rate over the best fixed K's, a row's rate over samples S
+    being sum(tokens[S]) / sum(cost[S]) (`per_sample[key] = (tokens, cost)`, one entry per sample); the samples
+    are drawn with replacement, the same draw for every row, and the best fixed K is chosen within each draw."""
+    n = len(next(iter(per_sample.values()))[0])
+    draw = np.random.default_rng(seed).integers(0, n, (draws, n))
+    rate = {key: tok[draw].sum(1) / cost[draw].sum(1) for key, (tok, cost) in per_sample.items()}
+    best = np.max([rate[key] for key in fixed], axis=0)
+    return {key: "{:.3f}-{:.3f}".format(*np.percentile(r / best, [2.5, 97.5])) for key, r in rate.items()}
 
 
 def adaptive_setup(small):
@@ -321,7 +355,8 @@ def adaptive_table(small, prompts) -> str:
         f"{AdaptiveK(ks).describe().capitalize()} vs each fixed K on {where} (chains, token-wise rule; "
         "adaptive is told no K: its round costs are timed before the loop unless given, costs relative to K=1; "
         "modeled_vs_best prices every round at those costs), batch 1, "
-        f"{len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of {FLAGS.repeats}"
+        f"{len(prompts)} prompts (x {FLAGS.seeds} seeds at T > 0) x {FLAGS.new_tokens} new tokens, float32, CPU, "
+        f"medians of {FLAGS.repeats}; *_95: 95% bootstrap intervals over the samples"
     )
     suffix = "" if FLAGS.adaptive_target == "stories260K" else "_expanded"
     suffix += "_given_costs" if FLAGS.adaptive_costs else ""
@@ -339,6 +374,8 @@ def main(argv):
     common.RESULTS = Path(FLAGS.results)  # where write_table writes
     if FLAGS.prompts is not None and FLAGS.prompts < 1:
         raise cli.UsageError(f"--prompts must be at least 1, got {FLAGS.prompts}")
+    if FLAGS.seeds < 1:
+        raise cli.UsageError(f"--seeds must be at least 1, got {FLAGS.seeds}")
     if "tokenwise" not in FLAGS.rules or (FLAGS.tree and "tokenwise" not in FLAGS.tree_rules):
         raise cli.UsageError(
             "--rules and --tree_rules must include tokenwise (its samples give the contexts); add it"

@@ -558,3 +558,9 @@ def test_bench_verification_smoke(tmp_path):
         float(row["modeled_vs_best"]) for row in adaptive
     ]  # the best fixed K's modeled rate is the unit
     assert max(modeled[:2]) == 1.0 and 0 < modeled[2] <= 1.2
+    for (
+        row
+    ) in adaptive:  # 95% bootstrap intervals over the samples; a fixed K is never above the best fixed K
+        for column in ("vs_best_95", "modeled_vs_best_95"):
+            lo, hi = map(float, row[column].split("-"))
+            assert 0 < lo <= hi and (hi <= 1.0 or row["draft"].startswith("adaptive"))

@@ -27,7 +27,8 @@ model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
   curve at the padded prompt width), the analytic prediction E / (n_calls x c + v) with
   E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, the decoding speedup / the
   prediction, and loop efficiency (the model calls' time from the curve / the measured decoding time per
-  round). AR's row gives a decoding step's fraction of the bandwidth floor.
+  round). AR's row gives a decoding step's fraction of the bandwidth floor (the weights and the keys/values of
+  the committed tokens, averaged over the steps).
 - k: EAGLE-3's chain for K = 1..8 with Theorem 3.8's optimum for the measured costs marked.
 - batch: AR against EAGLE-3's chain at batch 1..16, with the costs measured at each batch: where the speedup
   crosses 1.
@@ -229,8 +230,11 @@ def matmul_fn():
 
 
 def interp_cost(curve: dict, t: int) -> float:
-    """Cost of a pass over t tokens from the measured curve {T: seconds}, log-linear between its points."""
+    """Cost of a pass over t tokens from the measured curve {T: seconds}, log-linear between its points and
+    proportional to t beyond the last (a pass over that many tokens is compute-bound)."""
     ts = sorted(curve)
+    if t > ts[-1]:
+        return curve[ts[-1]] * t / ts[-1]
     return float(np.interp(np.log2(t), np.log2(ts), [curve[x] for x in ts]))
 
 
@@ -605,7 +609,8 @@ def decode_rows(
         ar = times["AR"]
         prefill_s = len(groups) * interp_cost(curves[b], prompt_width(groups))  # one prefill pass a job
         ar_step = (statistics.median(ar) - prefill_s) / (len(groups) * (new_tokens - 1))  # after prefill
-        read = expand.weight_bytes(cfg) + b * 96 * expand.kv_bytes_per_position(cfg)
+        slots = np.mean([len(p) for p in prompts]) + new_tokens / 2  # committed, averaged over the steps
+        read = expand.weight_bytes(cfg) + b * slots * expand.kv_bytes_per_position(cfg)
         base = dict(category=category, batch=b, T=temperature)
         rows.append(
             base

@@ -211,8 +211,8 @@ def interleaved(fns: dict, repeats: int) -> dict:
 
 def bandwidth_fns(mbytes: int) -> tuple[int, dict]:
     """(bytes, {reader: timed function}): two ways to read `mbytes` MB of float32, a sum and a matrix-vector
-    product over a [rows, 4096] matrix. On the 2-core host neither is always the faster (the sum read 42-46
-    GB/s and the product 47-50 in one hour, 74 and 65 in another), so the floor takes the faster of the two."""
+    product over a [rows, 4096] matrix. On the 2-core host neither is always the faster (the sum read 41-46
+    GB/s and the product 46-51 in one hour, 70-74 and 61-67 in another), so the floor takes the faster."""
     x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
     w, v = x.reshape(-1, 4096), jnp.ones((4096,), jnp.float32)
     total, product = jax.jit(jnp.sum), jax.jit(jnp.matmul)

@@ -255,17 +255,14 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
             sample_s[key].append(np.median(times))
             stats[key].append(jax.block_until_ready(runs[key]([p], seed)).stats)
     totals_stats = {key: jax.tree.map(lambda *xs: np.sum(xs, axis=0), *s) for key, s in stats.items()}
-    modeled = {
-        key: modeled_tokens_per_cost(total, ks, adaptive.costs) for key, total in totals_stats.items()
-    }
+    modeled_by_sample = {key: modeled_tokens_and_cost(s, ks, adaptive.costs) for key, s in stats.items()}
+    modeled = {key: emitted.sum() / spent.sum() for key, (emitted, spent) in modeled_by_sample.items()}
     fixed = [key for key in runs if key.startswith("K=")]
     best = min(fixed, key=lambda key: np.median(totals[key]))
     best_modeled = max(modeled[key] for key in fixed)
     tokens = np.full(len(samples), float(n))
     wall_ci = bootstrap_vs_best({key: (tokens, np.array(sample_s[key])) for key in runs}, fixed)
-    modeled_ci = bootstrap_vs_best(
-        {key: modeled_tokens_and_cost(s, ks, adaptive.costs) for key, s in stats.items()}, fixed
-    )
+    modeled_ci = bootstrap_vs_best(modeled_by_sample, fixed)
     costs = " ".join(f"{c / adaptive.costs[0]:.2f}" for c in adaptive.costs)
     rows = []
     for key, total in totals_stats.items():
@@ -280,14 +277,9 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     return rows
 
 
-def modeled_tokens_per_cost(stats, ks, costs) -> float:
-    """Emitted tokens / the rounds' summed cost, a round drafting ks[i] tokens costing costs[i]."""
-    emitted, spent = modeled_tokens_and_cost([stats], ks, costs)
-    return float(emitted[0] / spent[0])
-
-
 def modeled_tokens_and_cost(stats_list, ks, costs) -> tuple[np.ndarray, np.ndarray]:
-    """Per run's statistics: (emitted tokens, the rounds' summed cost at `costs` per K in `ks`)."""
+    """Per run's statistics: (emitted tokens, the rounds' summed cost, a round drafting ks[i] tokens costing
+    costs[i]); a row's modeled rate is emitted.sum() / cost.sum()."""
     emitted, spent = [], []
     for stats in stats_list:
         k_hist = np.asarray(stats.k_hist)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import causal_mask, forward, init_cache, rope_angles
+from specjax.models.llama import Linear, causal_mask, forward, init_cache, rope_angles
 from specjax.models.weights import params_from_hf, read_safetensors
 
 CONFIGS = {
@@ -168,3 +169,17 @@ def test_rope_lookup_matches_the_angles_and_is_nan_beyond_its_table():
     np.testing.assert_allclose(sin, jnp.sin(angles), rtol=0, atol=3e-7)
     beyond = rope_angles(inv, jnp.array([[299, 300]]), 300)
     assert all(np.isfinite(t[0, 0]).all() and np.isnan(t[0, 1]).all() for t in beyond)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("n_out", [64, 63])
+def test_linear_matches_one_matrix_product(rows, n_out):
+    """`Linear` (one matrix-vector product per row over row blocks up to GEMV_ROWS rows, whole or odd-sized
+    matrices unblocked) computes x @ W.T + b as numpy does in float64, to float32 rounding."""
+    layer = Linear(40, n_out, True, jnp.float32, nnx.Rngs(0))
+    layer.bias[...] = jnp.linspace(-1, 1, n_out)
+    x = jax.random.normal(jax.random.key(1), (rows, 1, 40))
+    want = np.asarray(x, np.float64) @ np.asarray(layer.weight[...], np.float64).T + np.asarray(
+        layer.bias[...]
+    )
+    np.testing.assert_allclose(jax.jit(lambda x: layer(x))(x), want, rtol=0, atol=2e-6)

@@ -171,11 +171,12 @@ def test_rope_lookup_matches_the_angles_and_is_nan_beyond_its_table():
     assert all(np.isfinite(t[0, 0]).all() and np.isnan(t[0, 1]).all() for t in beyond)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])
 @pytest.mark.parametrize("n_out", [64, 63])
 def test_linear_matches_one_matrix_product(rows, n_out):
-    """`Linear` (one matrix-vector product per row over row blocks up to GEMV_ROWS rows, whole or odd-sized
-    matrices unblocked) computes x @ W.T + b as numpy does in float64, to float32 rounding."""
+    """`Linear` (one blocked matrix-vector product per row, one blocked product, or one plain product as the rows
+    grow; a matrix whose rows the blocks do not divide unblocked) computes x @ W.T + b as numpy does in float64,
+    to float32 rounding."""
     layer = Linear(40, n_out, True, jnp.float32, nnx.Rngs(0))
     layer.bias[...] = jnp.linspace(-1, 1, n_out)
     x = jax.random.normal(jax.random.key(1), (rows, 1, 40))

@@ -54,33 +54,37 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         rows = int(np.prod(x.shape[:-1]))
+        flat = x.reshape(rows, x.shape[-1])
         if rows <= GEMV_ROWS and jax.default_backend() == "cpu":
-            flat = x.reshape(rows, x.shape[-1])
-            y = jnp.stack([self.matvec(row) for row in flat]).reshape(*x.shape[:-1], -1)
+            y = jnp.stack([self.matvec(row) for row in flat])
+        elif rows <= BLOCKED_ROWS and jax.default_backend() == "cpu":
+            y = blocked_product(self.matrix(), flat)
         else:
-            y = jnp.einsum("...i,oi->...o", x, self.matrix())
+            y = jnp.einsum("ri,oi->ro", flat, self.matrix())
+        y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
 
     def matvec(self, x_I):
         """W @ x for one row on XLA CPU."""
-        return gemv(self.matrix(), x_I)
+        return blocked_product(self.matrix(), x_I[None])[0]
 
 
-def gemv(w_OI, x_I):
-    """`w @ x` for XLA CPU: as a batched product over GEMV_BLOCKS row blocks of w when its rows divide, which XLA
-    runs on several threads (a plain matrix-vector product runs on one)."""
-    blocks = GEMV_BLOCKS if w_OI.shape[0] % GEMV_BLOCKS == 0 else 1
-    w_BOI = w_OI.reshape(blocks, -1, w_OI.shape[1])
-    return jnp.einsum("boi,bi->bo", w_BOI, jnp.broadcast_to(x_I, (blocks, x_I.shape[0]))).reshape(-1)
+def blocked_product(w_OI, x_RI):
+    """`x @ w.T` [R, O] for XLA CPU: a batched product over ROW_BLOCKS row blocks of w (when its rows divide),
+    which XLA runs on several threads, where it runs a matrix-vector or small matrix product on one."""
+    blocks = ROW_BLOCKS if w_OI.shape[0] % ROW_BLOCKS == 0 else 1
+    w_KOI = w_OI.reshape(blocks, -1, w_OI.shape[1])
+    y_KOR = jnp.einsum("koi,kri->kor", w_KOI, jnp.broadcast_to(x_RI, (blocks, *x_RI.shape)))
+    return y_KOR.reshape(-1, x_RI.shape[0]).T
 
 
-# Up to this many rows (batch x tokens), XLA CPU runs a linear layer faster as one matrix-vector product per row
-# than as one matrix product: its GEMM (YNNPACK) costs about twice a GEMV from 2 rows on, while a second GEMV
-# re-reads a layer's matrix from L3. On the expanded stories260K target (372 MB of weights, 2-core EPYC), a
-# 2/3/4-token pass took 54/68/70 ms instead of 81/78/90 (medians; 1 token: 38), batch 4 x 1 token 85 instead
-# of 104; from 6 rows on the GEMM is faster.
+# XLA CPU runs a plain matrix-vector product, and a matrix product of a few rows, on one thread, but the entries
+# of a batched product on several. Up to GEMV_ROWS rows (batch x tokens) a linear layer is fastest as one
+# blocked matrix-vector product per row (a second one re-reads the layer's matrix from L3, where YNNPACK's GEMM
+# of a few rows costs about two), up to BLOCKED_ROWS as one blocked matrix product, beyond as one plain product.
 GEMV_ROWS = 4
-GEMV_BLOCKS = 2
+BLOCKED_ROWS = 32
+ROW_BLOCKS = 2
 
 
 def apply_rope(x, cos, sin):

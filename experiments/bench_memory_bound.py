@@ -53,7 +53,7 @@ from experiments import common
 from specjax import cli, heads
 from specjax.analysis import expected_tokens_per_round
 from specjax.models import expand
-from specjax.models.llama import causal_mask, forward, init_cache
+from specjax.models.llama import causal_mask, forward, in_out_layout, init_cache
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import Chain, DynamicTree, medusa_like
@@ -162,6 +162,12 @@ def pass_loop(step, params, cache, b: int, t: int, calls: int):
 
     compiled = loop.lower(params).compile()
     return lambda: jax.block_until_ready(compiled(params))
+
+
+def as_decoded(rows: int, plain, in_out):
+    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it on one CPU: linear
+    layers stored [out, in] for one row, [in, out] (`in_out`) for several."""
+    return plain if rows == 1 else in_out
 
 
 def model_step(graphdef):
@@ -343,15 +349,15 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
     cfg, graphdef, params = target
     size, half = CURVE_CACHE, half_cache
+    in_out = in_out_layout(graphdef, params)
     fns = {}
     nbytes, readers = bandwidth_fns(settings.bandwidth_mb)
     fns |= {f"read {name}": fn for name, fn in readers.items()}
     flop, fns["matmul"] = matmul_fn()
     for b in settings.batches:
         for t in settings.curve:
-            fns[("expanded", b, t)] = pass_loop(
-                model_step(graphdef), params, half(cfg, b), b, t, settings.calls
-            )
+            g, p = as_decoded(b * t, (graphdef, params), in_out)
+            fns[("expanded", b, t)] = pass_loop(model_step(g), p, half(cfg, b), b, t, settings.calls)
         if "draft model" in settings.kinds:
             dcfg, dgraph, dparams = draft_model
             fns[("draft model", b)] = pass_loop(
@@ -367,10 +373,10 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
+    small_in_out = in_out_layout(small.graphdef, small.params)
     for t in settings.curve:
-        fns[("stories260K", 1, t)] = pass_loop(
-            model_step(small.graphdef), small.params, half(small.cfg, 1), 1, t, settings.calls
-        )
+        g, p = as_decoded(t, (small.graphdef, small.params), small_in_out)
+        fns[("stories260K", 1, t)] = pass_loop(model_step(g), p, half(small.cfg, 1), 1, t, settings.calls)
     # The fastest of the repetitions: a pass's cost is a property of the program, and other work on a shared
     # machine only adds to it (medians moved by 2x between runs while the machine was busy; minima held).
     times = {k: min(v) for k, v in interleaved(fns, max(settings.repeats, 5)).items()}
@@ -689,10 +695,11 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     cfg, graphdef, params = target
     groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
     width = prompt_width(list(groups.values()))
-    fns = {}
+    fns, in_out = {}, in_out_layout(graphdef, params)
     for b in settings.sweep_batches:
         for t in (1, chain_k + 1, width):
-            fns[(b, t)] = pass_loop(model_step(graphdef), params, half_cache(cfg, b), b, t, settings.calls)
+            g, p = as_decoded(b * t, (graphdef, params), in_out)
+            fns[(b, t)] = pass_loop(model_step(g), p, half_cache(cfg, b), b, t, settings.calls)
         fns[(b, "head")] = eagle_step(loaded, "eagle3", target, b, settings.calls)
     cost = {key: min(v) for key, v in interleaved(fns, max(settings.repeats, 5)).items()}
     rows, n = [], max(settings.new_tokens // 2, 1)

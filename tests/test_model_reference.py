@@ -9,7 +9,16 @@ import transformers
 from flax import nnx
 
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import Linear, causal_mask, forward, init_cache, rope_angles
+from specjax.models.llama import (
+    InOutLinear,
+    Linear,
+    causal_mask,
+    forward,
+    in_out_layout,
+    init_cache,
+    init_params,
+    rope_angles,
+)
 from specjax.models.weights import params_from_hf, read_safetensors
 
 CONFIGS = {
@@ -171,16 +180,33 @@ def test_rope_lookup_matches_the_angles_and_is_nan_beyond_its_table():
     assert all(np.isfinite(t[0, 0]).all() and np.isnan(t[0, 1]).all() for t in beyond)
 
 
+@pytest.mark.parametrize("in_out", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 6, 40])
 @pytest.mark.parametrize("n_out", [64, 63])
-def test_linear_matches_one_matrix_product(rows, n_out):
+def test_linear_matches_one_matrix_product(rows, n_out, in_out):
     """`Linear` (one blocked matrix-vector product per row, one blocked product, or one plain product as the rows
-    grow; a matrix whose rows the blocks do not divide unblocked) computes x @ W.T + b as numpy does in float64,
-    to float32 rounding."""
+    grow; a matrix whose rows the blocks do not divide unblocked) and `InOutLinear` (its weight stored [in, out])
+    compute x @ W.T + b as numpy does in float64, to float32 rounding."""
     layer = Linear(40, n_out, True, jnp.float32, nnx.Rngs(0))
     layer.bias[...] = jnp.linspace(-1, 1, n_out)
+    layer = InOutLinear(layer) if in_out else layer
+    assert layer.weight.shape == ((40, n_out) if in_out else (n_out, 40))
     x = jax.random.normal(jax.random.key(1), (rows, 1, 40))
-    want = np.asarray(x, np.float64) @ np.asarray(layer.weight[...], np.float64).T + np.asarray(
+    want = np.asarray(x, np.float64) @ np.asarray(layer.matrix(), np.float64).T + np.asarray(
         layer.bias[...]
     )
     np.testing.assert_allclose(jax.jit(lambda x: layer(x))(x), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["llama_mha_untied_bias", "llama_gqa_tied"])
+def test_in_out_layout_is_the_same_function(name):
+    """The model with its linear layers stored [in, out] (what `compile_decode` runs on CPU for passes of several
+    rows) gives the original's logits to float32 rounding, over 1 and several tokens."""
+    cfg = CONFIGS[name]
+    graphdef, params = init_params(cfg, seed=3)
+    g2, p2 = in_out_layout(graphdef, params)
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, cfg.vocab_size)
+    for t in (1, 7):
+        pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+        run = lambda g, p: forward(g, p, tokens[:, :t], pos, init_cache(cfg, 2, 16), causal_mask(t))[0]
+        np.testing.assert_allclose(run(g2, p2), run(graphdef, params), rtol=0, atol=1e-5)

@@ -12,6 +12,7 @@ from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.speculative import calibrate, speculative_compiled
 from specjax.models.config import LlamaConfig
+from specjax.models.llama import in_out_layout
 
 
 def compile_decode(
@@ -27,11 +28,14 @@ def compile_decode(
 ):
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
     device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
-    `data`; the parameters are placed on it here).
+    `data`; the parameters are placed on it here). On one CPU, a target whose passes have several rows (a drafter,
+    or a batch) runs with its linear layers stored [in, out] (`specjax.models.llama.in_out_layout`).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""
     on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    if mesh is None and jax.default_backend() == "cpu" and (drafter is not None or len(prompts) > 1):
+        graphdef, params = in_out_layout(graphdef, params)  # the target's passes have several rows
     if mesh is not None:
         params = sharding.place_target(mesh, cfg, params, len(prompts))
         drafter_params = sharding.place_drafter(mesh, drafter_params)

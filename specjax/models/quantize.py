@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models.llama import Linear
+from specjax.models.llama import Linear, replace_linears
 
 INT_DTYPES = {8: jnp.int8, 4: jnp.int4}
 
@@ -129,17 +129,10 @@ class QLinear(Linear):
 def quantize_model(graphdef, params, quant: Quantization):
     """(graphdef, params) of the model with every `Linear` and the LM head quantised; the float leaves it keeps
     (embedding, norms) are the same arrays as in `params`, not copies."""
-    model = nnx.merge(graphdef, params, copy=True)
-    for path, node in list(nnx.iter_graph(model)):
-        if type(node) is Linear:
-            parent = model
-            for key in path[:-1]:
-                parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-            quantized = QLinear(node.weight[...], node.bias, quant)
-            if isinstance(path[-1], int):
-                parent[path[-1]] = quantized
-            else:
-                setattr(parent, path[-1], quantized)
+    graphdef, params = replace_linears(
+        graphdef, params, lambda node: QLinear(node.weight[...], node.bias, quant)
+    )
+    model = nnx.merge(graphdef, params)
     if (
         model.lm_head is None
     ):  # tied: the head reads the whole table each token, the embedding one row of it

@@ -29,7 +29,8 @@ def compile_decode(
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
     device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
     `data`; the parameters are placed on it here). On one CPU, a target whose passes have several rows (a drafter,
-    or a batch) runs with its linear layers stored [in, out] (`specjax.models.llama.in_out_layout`).
+    or a batch) runs with its linear layers stored [in, out] (`specjax.models.llama.in_out_layout`: a second copy of
+    its matrices, held while `run` lives).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""

@@ -53,20 +53,16 @@ class Linear(nnx.Module):
         return self.weight[...]
 
     def __call__(self, x):
-        rows = int(np.prod(x.shape[:-1]))
+        w, rows, cpu = self.matrix(), int(np.prod(x.shape[:-1])), jax.default_backend() == "cpu"
         flat = x.reshape(rows, x.shape[-1])
-        if rows <= GEMV_ROWS and jax.default_backend() == "cpu":
-            y = jnp.stack([self.matvec(row) for row in flat])
-        elif rows <= BLOCKED_ROWS and jax.default_backend() == "cpu":
-            y = blocked_product(self.matrix(), flat)
+        if cpu and rows <= GEMV_ROWS:
+            y = jnp.concatenate([blocked_product(w, row[None]) for row in flat])
+        elif cpu and rows <= BLOCKED_ROWS:
+            y = blocked_product(w, flat)
         else:
-            y = jnp.einsum("ri,oi->ro", flat, self.matrix())
+            y = jnp.einsum("ri,oi->ro", flat, w)
         y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
-
-    def matvec(self, x_I):
-        """W @ x for one row on XLA CPU."""
-        return blocked_product(self.matrix(), x_I[None])[0]
 
 
 def blocked_product(w_OI, x_RI):
@@ -83,7 +79,7 @@ class InOutLinear(Linear):
     1.6 one-row products), where it reads an [out, in] weight about three times; one row is slower (`in_out_layout`)."""
 
     def __init__(self, linear: Linear):
-        self.weight = nnx.Param(jnp.asarray(linear.weight[...]).T.copy())
+        self.weight = nnx.Param(linear.weight[...].T)
         self.bias = linear.bias
 
     def matrix(self):

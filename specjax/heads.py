@@ -17,9 +17,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax import checkpoint
 from specjax.drafters import registry
 from specjax.models.config import LlamaConfig
+from specjax.models.store import restore_step
 from specjax.models.weights import CheckpointError
 
 META = "heads.json"
@@ -163,7 +163,7 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         step = manager.latest_step()
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
-        restored = checkpoint.restore_step(
+        restored = restore_step(
             manager,
             step,
             f"restore head parameters of step {step} from {workdir / 'checkpoints'}",

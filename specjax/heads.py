@@ -17,25 +17,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from specjax import files, published
 from specjax.drafters import registry
+from specjax.drafters.base import target_signature
 from specjax.models.config import LlamaConfig
 from specjax.models.store import restore_step
 from specjax.models.weights import CheckpointError
 
 META = "heads.json"
 COMMITTED = Path(__file__).resolve().parents[1] / "heads"  # the trained stories260K heads
-
-
-def target_signature(cfg: LlamaConfig) -> dict:
-    """What a head depends on: heads for targets with a different signature are refused."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "dim": cfg.dim,
-        "n_heads": cfg.n_heads,
-        "n_kv_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_dim": cfg.hidden_dim,
-    }
 
 
 def describe(method: str, shape: dict, target_cfg: LlamaConfig) -> dict:
@@ -94,8 +84,6 @@ def heads_builder(method: str):
     def build(target, settings: HeadsSettings, k: int, tree, sampler):
         workdir = resolve_heads(settings.heads or str(COMMITTED / f"stories260K_{method}"))
         if (workdir / "config.json").is_file() and not (workdir / META).exists():
-            from specjax import published
-
             loaded = published.load_published(workdir, method, target.cfg, target.params)
         else:
             loaded = load_heads(workdir, target.cfg, target.params)
@@ -199,8 +187,6 @@ def export(workdir: str | Path, dest: str | Path) -> Path:
     into place; an existing `dest` is replaced only if it is a previous export, anything else is refused, and so
     is a `dest` equal to, inside or containing the workdir (files.DestinationError)."""
     import orbax.checkpoint as ocp
-
-    from specjax import files
 
     workdir, dest = Path(workdir).absolute(), Path(dest).absolute()
     if files.overlaps(workdir, dest):

@@ -1,9 +1,11 @@
-"""Trained drafting heads on disk: a work directory holds `heads.json` (method, head shape, the target it was
-trained for) and Orbax checkpoints under `checkpoints/` written by `specjax.training.trainer`.
+"""specjax's own trained heads on disk and the builder that turns heads into a drafter.
 
-`load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
-for another one; `make_drafter` turns them into a drafter for the speculative loop. What each head method does is
-registered with its drafter (`specjax.drafters.registry.TrainedHeads`).
+A work directory holds `heads.json` (method, head shape, the target it was trained for) and Orbax checkpoints
+under `checkpoints/` written by `specjax.training.trainer`; `export` copies its latest step without optimiser
+state. `load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
+for another one; the builder that `register` installs reads either that or a head in its authors' layout
+(`specjax.published`). What each head type is (its initialiser, loss, drafter, expansion, published layout) is
+registered with its drafter (`specjax.drafters.registry.TrainedHeads`); nothing here names a method.
 """
 
 from __future__ import annotations

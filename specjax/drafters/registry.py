@@ -1,5 +1,6 @@
 """The drafter registry: every draft source registers its name, settings, builder and (for trained heads)
-its initialiser and loss, and `run_decode.py`, `specjax.heads`, the trainer and the benchmarks look it up.
+its initialiser, loss, expansion and published layout, and `run_decode.py`, `specjax.heads`, `specjax.published`,
+`specjax.models.expand`, the trainer and the benchmarks look it up: none of them names a method.
 
 Adding a drafter is one module that calls `register` at import; built-in modules are imported on first
 lookup (`BUILTIN`), any other module by importing it before the lookup (a test, a plugin).

@@ -1,5 +1,6 @@
-"""Optax training of Medusa / EAGLE heads on a frozen target restored from an Orbax checkpoint (a target given as
-anything else the decoder loads is converted into one on the first run: `specjax.models.conversion.converted`).
+"""Optax training of any registered head type (Medusa, EAGLE, EAGLE-3, ...) on a frozen target restored from an
+Orbax checkpoint (a target given as anything else the decoder loads is converted into one on the first run:
+`specjax.models.conversion.converted`).
 
 Sharding: a `("data", "model")` mesh; the batch is split over `data`, head parameters and optimiser state
 are replicated, the frozen target is restored straight onto the mesh, split Megatron style over `model`

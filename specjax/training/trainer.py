@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import files, heads, sharding
 from specjax.drafters import registry
-from specjax.models import store
 from specjax.models.conversion import converted
 from specjax.models.loading import load_tokenizer
+from specjax.models.store import identity, restore_model, restore_step
 from specjax.sharding import llama_shardings, make_mesh
 from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
@@ -68,7 +68,7 @@ def target_path(config) -> Path:
 def load_target(config, mesh: Mesh):
     with sharding.main_first("target converted"):  # converted once, by process 0
         path = target_path(config)
-    cfg, graphdef, params = store.restore_model(path, shardings=lambda tree: llama_shardings(mesh, tree))
+    cfg, graphdef, params = restore_model(path, shardings=lambda tree: llama_shardings(mesh, tree))
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
 
@@ -188,7 +188,7 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
             f"config data.sample_len={d.sample_len} (+ BOS) exceeds the target's context of "
             f"{cfg.max_seq_len} tokens; pass --config.data.sample_len={cfg.max_seq_len - 1} or less"
         )
-    target_id = store.identity(target_path(config), cfg, target_params)
+    target_id = identity(target_path(config), cfg, target_params)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
     )
@@ -259,7 +259,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree
         )
-        restored = store.restore_step(
+        restored = restore_step(
             manager,
             step,
             f"resume from step {step} in {workdir / 'checkpoints'}",

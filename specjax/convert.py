@@ -4,14 +4,15 @@ python -m specjax.convert SRC DST [--dtype=float32]
 
 DST must not exist yet (or be an empty directory): the checkpoint is written beside it under a temporary name
 and renamed into place when complete, so an interrupted conversion leaves nothing that passes for a
-checkpoint and a retry starts clean. The checkpoint records its source (`checkpoint.source_record`). A user
-error ends with one line `error: ...` (exit status 1); SPECJAX_DEBUG=1 shows the traceback.
+checkpoint and a retry starts clean. The checkpoint records its source
+(`specjax.models.conversion.source_record`). A user error ends with one line `error: ...` (exit status 1);
+SPECJAX_DEBUG=1 shows the traceback.
 """
 
 from absl import flags
 
 from specjax import cli
-from specjax.checkpoint import convert
+from specjax.models.conversion import convert
 
 flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype of the checkpoint."

@@ -1,9 +1,11 @@
-"""Trained drafting heads on disk: a work directory holds `heads.json` (method, head shape, the target it was
-trained for) and Orbax checkpoints under `checkpoints/` written by `specjax.training.trainer`.
+"""specjax's own trained heads on disk and the builder that turns heads into a drafter.
 
-`load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
-for another one; `make_drafter` turns them into a drafter for the speculative loop. What each head method does is
-registered with its drafter (`specjax.drafters.registry.TrainedHeads`).
+A work directory holds `heads.json` (method, head shape, the target it was trained for) and Orbax checkpoints
+under `checkpoints/` written by `specjax.training.trainer`; `export` copies its latest step without optimiser
+state. `load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
+for another one; the builder that `register` installs reads either that or a head in its authors' layout
+(`specjax.published`). What each head type is (its initialiser, loss, drafter, expansion, published layout) is
+registered with its drafter (`specjax.drafters.registry.TrainedHeads`); nothing here names a method.
 """
 
 from __future__ import annotations
@@ -17,25 +19,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax import checkpoint
+from specjax import files, published
 from specjax.drafters import registry
+from specjax.drafters.base import target_signature
 from specjax.models.config import LlamaConfig
+from specjax.models.store import restore_step
 from specjax.models.weights import CheckpointError
 
 META = "heads.json"
 COMMITTED = Path(__file__).resolve().parents[1] / "heads"  # the trained stories260K heads
-
-
-def target_signature(cfg: LlamaConfig) -> dict:
-    """What a head depends on: heads for targets with a different signature are refused."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "dim": cfg.dim,
-        "n_heads": cfg.n_heads,
-        "n_kv_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_dim": cfg.hidden_dim,
-    }
 
 
 def describe(method: str, shape: dict, target_cfg: LlamaConfig) -> dict:
@@ -94,8 +86,6 @@ def heads_builder(method: str):
     def build(target, settings: HeadsSettings, k: int, tree, sampler):
         workdir = resolve_heads(settings.heads or str(COMMITTED / f"stories260K_{method}"))
         if (workdir / "config.json").is_file() and not (workdir / META).exists():
-            from specjax import published
-
             loaded = published.load_published(workdir, method, target.cfg, target.params)
         else:
             loaded = load_heads(workdir, target.cfg, target.params)
@@ -163,7 +153,7 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         step = manager.latest_step()
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
-        restored = checkpoint.restore_step(
+        restored = restore_step(
             manager,
             step,
             f"restore head parameters of step {step} from {workdir / 'checkpoints'}",
@@ -199,8 +189,6 @@ def export(workdir: str | Path, dest: str | Path) -> Path:
     into place; an existing `dest` is replaced only if it is a previous export, anything else is refused, and so
     is a `dest` equal to, inside or containing the workdir (files.DestinationError)."""
     import orbax.checkpoint as ocp
-
-    from specjax import files
 
     workdir, dest = Path(workdir).absolute(), Path(dest).absolute()
     if files.overlaps(workdir, dest):

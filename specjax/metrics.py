@@ -1,4 +1,4 @@
-"""Acceptance statistics and speed metrics, each defined once (the README repeats the formulas)."""
+"""Acceptance statistics and speed metrics, each defined once (docs/metrics.md repeats the formulas)."""
 
 from __future__ import annotations
 

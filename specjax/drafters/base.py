@@ -90,3 +90,15 @@ def target_io(target_cfg, target_params) -> dict:
     pure = target_params if isinstance(target_params, dict) else nnx.to_pure_dict(target_params)
     embed = pure["embed"]["embedding"]
     return {"embed": embed, "unembed": embed if target_cfg.tie_embeddings else pure["lm_head"]["weight"]}
+
+
+def target_signature(cfg) -> dict:
+    """What a trained head depends on in its target: heads for a target with another signature are refused."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "dim": cfg.dim,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_dim": cfg.hidden_dim,
+    }

@@ -11,17 +11,20 @@ input_layernorm): the head shape `{"input_norm": false}` holds those (`specjax.p
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
-from specjax import heads, precision
+from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
-from specjax.models.config import LlamaConfig
+from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
+from specjax.models.weights import CheckpointError
 from specjax.sampling import Sampler
 from specjax.training import losses
 from specjax.trees import DynamicTree, Tree
@@ -200,6 +203,89 @@ class EagleTraining:
     }
 
 
+# --- EAGLE-1/2 as SafeAILab/EAGLE publishes it (`eagle/model/cnets1.py`, vLLM `llama_eagle.py`): `config.json` (a
+# one-layer Llama config) and `pytorch_model.bin` or `model.safetensors` holding `fc.weight` [H, 2H] (input:
+# concat(embedding, feature)) and `fc.bias` (absent: zero), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+# `layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`: layer 0 has no
+# input_layernorm (its attention reads the fc output as it is), so these load into heads of shape
+# `{"input_norm": false}`; specjax's own EAGLE heads (which normalise) cannot be exported to this layout. HASS's
+# variant (`add_para_norm`) is refused.
+
+EAGLE12 = (
+    "the published EAGLE-1/2 layout has no input_layernorm in its decoder layer (SafeAILab/EAGLE cnets1.py), while "
+    "this head normalises its layer's input, so the layout cannot hold it; export it as specjax heads "
+    "(heads.export) or train an EAGLE-3 head"
+)
+
+
+def check_published_layer(hf: dict, where: Path, cfg: LlamaConfig) -> None:
+    """A published head's one-layer Llama config must match a layer of the target."""
+    try:
+        theirs = LlamaConfig.from_hf({"model_type": "llama", **hf, "vocab_size": cfg.vocab_size})
+    except (ConfigError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{where.parent / 'config.json'} cannot be read as a Llama layer ({err})"
+        ) from err
+    ours = layer_config(cfg)
+    for name in ("n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps"):
+        published.check(where, name, getattr(theirs, name), getattr(ours, name))
+    if not np.array_equal(theirs.inv_freq(), ours.inv_freq()):
+        raise CheckpointError(
+            f"{where} is a head for RoPE theta {theirs.rope_theta} / scaling {theirs.rope_llama3_scaling}, the "
+            f"target has {ours.rope_theta} / {ours.rope_llama3_scaling}: use a head trained for this target"
+        )
+
+
+def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
+    dim = cfg.dim
+    published.check(where, "hidden size", t["fc.weight"].shape[0], dim)
+    published.check(where, "hidden size", hf.get("hidden_size"), dim)
+    published.check(where, "a vocabulary of", hf.get("vocab_size"), cfg.vocab_size)
+    if hf.get("num_hidden_layers", 1) != 1 or hf.get("add_para_norm"):
+        raise CheckpointError(
+            f"{where} has {hf.get('num_hidden_layers')} decoder layers or HASS's extra norms (add_para_norm); "
+            "specjax's EAGLE head is one decoder layer reading fc(concat(embedding, feature))"
+        )
+    if "layers.0.input_layernorm.weight" in t:
+        raise CheckpointError(
+            f"{where} has a layers.0.input_layernorm, which the published EAGLE-1/2 layer does not: it is another "
+            "layout; pass the directory of a SafeAILab/EAGLE head"
+        )
+    check_published_layer(hf, where, cfg)
+    published.check_embedding(t, where, cfg, target_params)
+    meta = heads.describe("eagle", {"input_norm": False}, cfg)
+    graphdef, fresh = heads.new_heads(meta, cfg, target_params)
+    get = published.getter(t, where)
+    bias = get("fc.bias", (dim,)) if "fc.bias" in t else np.zeros(dim, np.float32)
+    pure = {
+        "fc": {"weight": get("fc.weight", (dim, 2 * dim)), "bias": bias},
+        "layer": published.layer_from(t, where, cfg, "layers.0.", dim, fresh["layer"]),
+    }
+    return meta, graphdef, published.fill(fresh, pure)
+
+
+def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
+    if meta["shape"].get("input_norm", True):
+        raise ValueError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
+    t = {
+        "fc.weight": p["fc"]["weight"],
+        "fc.bias": p["fc"]["bias"],
+        **published.layer_tensors(p["layer"], "layers.0.", cfg),
+    }
+    bias = "layers.0.self_attn.o_proj.bias" in t
+    return t, published.layer_config_json(cfg, "LlamaForCausalLM", bias, t["fc.weight"].dtype)
+
+
+def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
+    """The head for the expanded target (`specjax.models.expand`): fc reads concat(embedding, feature) 2D -> D,
+    then one target-shaped layer."""
+    d, d2 = cfg.dim, expansion.dim
+    fc = np.zeros((d2, 2 * d2), ex.dt)
+    fc[:d, :d], fc[:d, d2 : d2 + d] = p["fc"]["weight"][:, :d], p["fc"]["weight"][:, d:]
+    layer = ex.block(p["layer"], np.random.default_rng([expansion.seed, 10**6]))
+    return {"fc": {"weight": fc, "bias": ex.pad(p["fc"]["bias"], (d2,))}, "layer": layer}, shape
+
+
 heads.register(
     "eagle",
     registry.TrainedHeads(
@@ -216,5 +302,18 @@ heads.register(
             graphdef, layer_config(cfg), params, feats, tokens, mask, key, h.noise, h.ce_weight
         ),
         shape_of=lambda h, cfg, tokens: {},
+        expand=expand_heads,
+        published=registry.Published(
+            weights=("model.safetensors", "pytorch_model.bin"),
+            tensors="fc + layers.0.*",
+            owns=lambda t: (
+                "fc.weight" in t
+                and t["fc.weight"].ndim == 2
+                and t["fc.weight"].shape[1] == 2 * t["fc.weight"].shape[0]
+                and not any(k.startswith("midlayer.") for k in t)
+            ),
+            load=load_published_heads,
+            files=published_files,
+        ),
     ),
 )

@@ -14,6 +14,7 @@ vocabulary gets q = 0, so sampled drafts stay exact under the acceptance rule.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -21,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import heads, precision
+from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import target_io
-from specjax.drafters.eagle import Eagle, layer_config
+from specjax.drafters.eagle import Eagle, check_published_layer, layer_config
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, rope_angles
+from specjax.models.weights import CheckpointError
 from specjax.training import losses
 
 
@@ -268,6 +270,131 @@ def tiny_example(target, k, tree, sampler):
     )
 
 
+# --- EAGLE-3 as SafeAILab/EAGLE (`eagle/model/cnets.py`), SpecForge and vLLM (`llama_eagle3.py`) publish it:
+# `config.json` (a one-layer Llama config plus `draft_vocab_size`, optionally `eagle_aux_hidden_state_layer_ids`) and
+# `model.safetensors` or `pytorch_model.bin` holding `fc.weight` [H, 3H], `midlayer.self_attn.{q,k,v}_proj.weight`
+# [*, 2H] (input: concat(input_layernorm(embedding), hidden_norm(feature))), `midlayer.self_attn.o_proj.weight`,
+# `midlayer.mlp.{gate,up,down}_proj.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+# `norm.weight`, `lm_head.weight` [N, H], `d2t` [N] (target id = draft id + d2t[draft id]) and `t2d` [V] (bool).
+# Layer id j in `eagle_aux_hidden_state_layer_ids` is the input of target layer j, i.e. specjax's tap j - 1; without
+# it the reference takes the inputs of layers 2, L/2, L-3 (`paper_layers`).
+
+
+def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
+    dim, vocab = cfg.dim, cfg.vocab_size
+    if "fc.weight" not in t:
+        raise CheckpointError(
+            f"{where} has no fc.weight (a head reading no fused target layers); specjax's EAGLE-3 head fuses them"
+        )
+    published.check(where, "hidden size", t["fc.weight"].shape[0], dim)
+    published.check(where, "hidden size", hf.get("hidden_size"), dim)
+    published.check(where, "target hidden size", hf.get("target_hidden_size"), dim)
+    published.check(where, "a vocabulary of", hf.get("vocab_size"), vocab)
+    if "t2d" in t:
+        published.check(where, "a vocabulary (t2d) of", len(t["t2d"]), vocab)
+    n_draft = t["lm_head.weight"].shape[0] if "lm_head.weight" in t else None
+    if n_draft is None or n_draft > vocab:
+        raise CheckpointError(
+            f"{where} has lm_head rows {n_draft} for a {vocab}-token target: use a head trained for this target"
+        )
+    published.check(where, "draft vocabulary (draft_vocab_size)", hf.get("draft_vocab_size"), n_draft)
+    if hf.get("num_hidden_layers", 1) != 1 or hf.get("norm_before_residual"):
+        raise CheckpointError(
+            f"{where} has {hf.get('num_hidden_layers')} decoder layers or norm_before_residual=true; specjax's "
+            "EAGLE-3 head is one layer keeping the un-normalised feature as its residual"
+        )
+    check_published_layer(hf, where, cfg)
+    published.check_embedding(t, where, cfg, target_params)
+
+    n_taps = t["fc.weight"].shape[1] // dim
+    ids = hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if ids:
+        if len(ids) != n_taps or not all(1 <= int(j) <= cfg.n_layers for j in ids):
+            raise CheckpointError(
+                f"{where} fuses target layer inputs {list(ids)} with an fc for {n_taps} of them; specjax taps the "
+                f"outputs of layers 0..{cfg.n_layers - 1} (ids 1..{cfg.n_layers}): use a head for this target"
+            )
+        layers = [int(j) - 1 for j in ids]
+    else:
+        layers = list(paper_layers(cfg.n_layers))
+        published.check(where, "fused layers (fc inputs / hidden size)", n_taps, len(layers))
+
+    if "d2t" in t:
+        draft_ids = published.draft_ids_of(t["d2t"], t.get("t2d"), vocab, where)
+    elif n_draft == vocab:
+        draft_ids = np.arange(vocab)
+    else:
+        raise CheckpointError(
+            f"{where} has a {n_draft}-token draft vocabulary but no d2t; download it again"
+        )
+    full = n_draft == vocab and np.array_equal(draft_ids, np.arange(vocab))
+    meta = heads.describe(
+        "eagle3", {"layers": layers, "draft_ids": None if full else draft_ids.tolist()}, cfg
+    )
+    graphdef, fresh = heads.new_heads(meta, cfg, target_params)
+
+    get = published.getter(t, where)
+    layer = published.layer_from(t, where, cfg, "midlayer.", 2 * dim, fresh["layer"])
+    layer["attn_norm"] = {"weight": get("midlayer.hidden_norm.weight", (dim,))}
+    layer["embed_norm"] = {"weight": get("midlayer.input_layernorm.weight", (dim,))}
+    pure = {
+        "fc": {"weight": get("fc.weight", (dim, n_taps * dim))},
+        "layer": layer,
+        "norm": {"weight": get("norm.weight", (dim,))},
+        "lm_head": {"weight": get("lm_head.weight", (n_draft, dim))},
+    }
+    return meta, graphdef, published.fill(fresh, pure)
+
+
+def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
+    shape, layer = meta["shape"], p["layer"]  # numpy arrays
+    ids = shape["draft_ids"] if shape["draft_ids"] is not None else range(cfg.vocab_size)
+    d2t, t2d = published.d2t_t2d(ids, cfg.vocab_size)
+    t = {
+        "fc.weight": p["fc"]["weight"],
+        **published.layer_tensors(layer, "midlayer.", cfg),
+        "midlayer.input_layernorm.weight": layer["embed_norm"]["weight"],
+        "midlayer.hidden_norm.weight": layer["attn_norm"]["weight"],
+        "norm.weight": p["norm"]["weight"],
+        "lm_head.weight": p["lm_head"]["weight"],
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    bias = "midlayer.self_attn.o_proj.bias" in t
+    config = published.layer_config_json(cfg, "LlamaForCausalLMEagle3", bias, t["fc.weight"].dtype)
+    config["draft_vocab_size"] = len(d2t)
+    config["eagle_aux_hidden_state_layer_ids"] = [int(j) + 1 for j in shape["layers"]]
+    return t, config
+
+
+def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
+    """The head for the expanded target (`specjax.models.expand`): fc fuses the tapped layers; the layer reads
+    [embedding, feature]; a tap reads the residual after the same original layer."""
+    d, d2 = cfg.dim, expansion.dim
+    n_taps = p["fc"]["weight"].shape[1] // d
+    fc = np.zeros((d2, n_taps * d2), ex.dt)
+    for i in range(n_taps):
+        fc[:d, i * d2 : i * d2 + d] = p["fc"]["weight"][:, i * d : (i + 1) * d]
+    halves = [  # the q/k/v columns reading the embedding, then those reading the feature
+        ex.block({**p["layer"], "wqkv": {"weight": w}}, np.random.default_rng([expansion.seed, 10**6]))
+        for w in np.split(p["layer"]["wqkv"]["weight"], 2, axis=1)
+    ]
+    layer = halves[1] | {
+        "wqkv": {"weight": np.concatenate([h["wqkv"]["weight"] for h in halves], axis=1)},
+        "embed_norm": {"weight": ex.norm(p["layer"]["embed_norm"]["weight"])},
+    }
+    new = {
+        "fc": {"weight": fc},
+        "layer": layer,
+        "norm": {"weight": ex.norm(p["norm"]["weight"])},
+        "lm_head": {"weight": ex.pad(p["lm_head"]["weight"], (p["lm_head"]["weight"].shape[0], d2))},
+    }
+    where = expansion.original_layers(cfg.n_layers)
+    return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
+
+
 heads.register(
     "eagle3",
     registry.TrainedHeads(
@@ -282,6 +409,14 @@ heads.register(
         ),
         shape_of=head_shape,
         feature_taps=lambda shape, cfg: tuple(shape["layers"]),
+        expand=expand_heads,
+        published=registry.Published(
+            weights=("model.safetensors", "pytorch_model.bin"),
+            tensors="midlayer.*",
+            owns=lambda t: any(k.startswith("midlayer.") for k in t),
+            load=load_published_heads,
+            files=published_files,
+        ),
     ),
     example=tiny_example,
 )

@@ -5,13 +5,16 @@ the heads: a chain of top-1 guesses or the Cartesian top-k of the heads along a 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from specjax import heads, precision
+from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
 from specjax.layouts import Draft
@@ -137,6 +140,69 @@ class MedusaTraining:
     }
 
 
+# --- Medusa-1 as FasterDecoding/Medusa publishes it (`medusa/model/medusa_model.py`): `config.json` with
+# `medusa_num_heads` and `medusa_num_layers`, and `medusa_lm_head.safetensors` or `medusa_lm_head.pt`: head i is
+# residual blocks `{i}.{j}.linear.{weight,bias}` (x + SiLU(W x + b)) then `{i}.{num_layers}.weight` [V, H].
+
+
+def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
+    blocks = {tuple(map(int, k.split(".")[:2])) for k in t if re.fullmatch(r"\d+\.\d+\.linear\.weight", k)}
+    n_heads = int(hf.get("medusa_num_heads") or 1 + max(i for i, _ in blocks | {(0, 0)}))
+    n_layers = int(hf.get("medusa_num_layers", 1 + max((j for _, j in blocks), default=-1)))
+    if "0.0.linear.weight" in t:
+        published.check(where, "hidden size", t["0.0.linear.weight"].shape[0], cfg.dim)
+    published.check(where, "hidden size", hf.get("hidden_size"), cfg.dim)
+    published.check(where, "a vocabulary of", hf.get("vocab_size"), cfg.vocab_size)
+    if f"0.{n_layers}.weight" in t:
+        published.check(
+            where, "a vocabulary (output rows) of", t[f"0.{n_layers}.weight"].shape[0], cfg.vocab_size
+        )
+    meta = heads.describe("medusa", {"num_heads": n_heads, "num_layers": n_layers}, cfg)
+    graphdef, fresh = heads.new_heads(meta, cfg, target_params)
+    get, d = published.getter(t, where), cfg.dim
+    w = [[get(f"{i}.{j}.linear.weight", (d, d)) for j in range(n_layers)] for i in range(n_heads)]
+    b = [[get(f"{i}.{j}.linear.bias", (d,)) for j in range(n_layers)] for i in range(n_heads)]
+    proj = [get(f"{i}.{n_layers}.weight", (cfg.vocab_size, d)) for i in range(n_heads)]
+    pure = {
+        "w": np.asarray(w, np.float32).reshape(n_heads, n_layers, d, d),
+        "b": np.asarray(b, np.float32).reshape(n_heads, n_layers, d),
+        "proj": np.stack(proj),
+    }
+    return meta, graphdef, published.fill(fresh, pure)
+
+
+def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
+    w, b, proj = (np.asarray(p[k]) for k in ("w", "b", "proj"))
+    n_heads, n_layers = w.shape[:2]
+    t = {}
+    for i in range(n_heads):
+        for j in range(n_layers):
+            t[f"{i}.{j}.linear.weight"], t[f"{i}.{j}.linear.bias"] = w[i, j], b[i, j]
+        t[f"{i}.{n_layers}.weight"] = proj[i]
+    config = {
+        "medusa_num_heads": int(n_heads),
+        "medusa_num_layers": int(n_layers),
+        "hidden_size": cfg.dim,
+        "vocab_size": cfg.vocab_size,
+        "torch_dtype": str(proj.dtype),
+    }
+    if base_model:
+        config["base_model_name_or_path"] = base_model
+    return t, config
+
+
+def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
+    """The heads for the expanded target (`specjax.models.expand`): residual blocks and projection zero-padded."""
+    nh, nl = p["w"].shape[:2]
+    d2 = expansion.dim
+    new = {
+        "w": ex.pad(p["w"], (nh, nl, d2, d2)),
+        "b": ex.pad(p["b"], (nh, nl, d2)),
+        "proj": ex.pad(p["proj"], (nh, cfg.vocab_size, d2)),
+    }
+    return new, shape
+
+
 heads.register(
     "medusa",
     registry.TrainedHeads(
@@ -152,5 +218,13 @@ heads.register(
             graphdef, params, feats, tokens, mask, h.decay
         ),
         shape_of=lambda h, cfg, tokens: {"num_heads": h.num_heads, "num_layers": h.num_layers},
+        expand=expand_heads,
+        published=registry.Published(
+            weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
+            tensors="{i}.{j}.linear.*",
+            owns=lambda t: any(re.fullmatch(r"\d+\.\d+\.(linear\.)?weight", k) for k in t),
+            load=load_published_heads,
+            files=published_files,
+        ),
     ),
 )

@@ -1,5 +1,6 @@
 """The drafter registry: every draft source registers its name, settings, builder and (for trained heads)
-its initialiser and loss, and `run_decode.py`, `specjax.heads`, the trainer and the benchmarks look it up.
+its initialiser, loss, expansion and published layout, and `run_decode.py`, `specjax.heads`, `specjax.published`,
+`specjax.models.expand`, the trainer and the benchmarks look it up: none of them names a method.
 
 Adding a drafter is one module that calls `register` at import; built-in modules are imported on first
 lookup (`BUILTIN`), any other module by importing it before the lookup (a test, a plugin).
@@ -25,6 +26,24 @@ BUILTIN = (
 
 
 @dataclasses.dataclass(frozen=True)
+class Published:
+    """A trained head type's layout as its authors publish it (read and written by `specjax.published`).
+
+    weights: the weight file names it is read from, the first the one an export writes;
+    tensors: what its tensor names look like (for the error when a file matches no layout);
+    owns(tensors) -> whether a file's tensor names are this layout's (no two layouts own the same file);
+    load(config.json dict, tensors, file, target_cfg, target_params) -> (meta, graphdef, params), as
+    `specjax.heads.load_heads` returns them;
+    files(meta, numpy params, target_cfg, base_model or None) -> (tensors, config.json dict); None: not exported."""
+
+    weights: tuple[str, ...]
+    tensors: str
+    owns: Callable
+    load: Callable
+    files: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainedHeads:
     """How a trained head type is made, trained and turned into a drafter (`specjax.heads`, the trainer).
 
@@ -37,6 +56,9 @@ class TrainedHeads:
     heads are trained to predict, where there are any, e.g. choose a reduced draft vocabulary);
     feature_taps(shape, target_cfg) -> the target layers whose outputs the loss's features hold before the
     final features (`specjax.models.llama.features`; none: the final features only);
+    expand(shape, numpy params, expander, expansion, target_cfg) -> (params, shape) of the same heads for a
+    function-preserving expansion of the target (`specjax.models.expand.expand_heads`; None: not expandable);
+    published: its authors' layout (`Published`; None: it has none);
     settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)
     and checked against (its `RULES`: field -> (predicate, what a valid value is))."""
 
@@ -47,6 +69,8 @@ class TrainedHeads:
     loss: Callable
     shape_of: Callable
     feature_taps: Callable = lambda shape, target_cfg: ()
+    expand: Callable | None = None
+    published: Published | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,10 @@ their real acceptance and get a real relative cost:
   original layers are spread evenly (`Expansion.original_layers`); `truncated_original` builds the draft model of
   the first few original layers, skipping the inserted ones.
 
-Trained Medusa, EAGLE and EAGLE-3 heads expand the same way (`expand_heads`): their drafts are unchanged and their
-cost is that of heads of the wide target. Rows that the expansion makes trivial are not drafters: skipping the
-inserted layers (or a draft of every original layer) is the target itself.
+Trained heads expand the same way (`expand_heads`; each head type says how in its registration, as Medusa,
+EAGLE and EAGLE-3 do): their drafts are unchanged and their cost is that of heads of the wide target. Rows that
+the expansion makes trivial are not drafters: skipping the inserted layers (or a draft of every original layer)
+is the target itself.
 
 Default (`Expansion()`, from stories260K: D=64, 5 layers, 8 heads of 8, 4 kv heads, 172 hidden): D'=512,
 32 layers, 16 heads of 32 dims, 8 kv heads, 1376 hidden: 2.90M parameters per layer, 93.1M in all, 372 MB of
@@ -37,6 +38,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax import heads
+from specjax.drafters import registry
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import build_params
 
@@ -112,7 +115,10 @@ def _dim_map(hd: int, hd2: int) -> np.ndarray:
     return np.where(d < hd // 2, r * d, hd2 // 2 + r * (d - hd // 2))
 
 
-class _Expander:
+class Expander:
+    """Maps the small model's arrays to the expanded shape (`pad`, `norm`, `block`): what a head type's `expand`
+    (`registry.TrainedHeads.expand`) builds its expanded parameters with."""
+
     def __init__(self, cfg: LlamaConfig, e: Expansion):
         self.cfg, self.e, self.cfg2 = cfg, e, e.config(cfg)
         self.dt = np.dtype(cfg.dtype) if cfg.dtype == "float32" else np.float32
@@ -207,7 +213,7 @@ def _pure(params) -> dict:
 
 def expand(cfg: LlamaConfig, params, expansion: Expansion = Expansion()):
     """(cfg', graphdef', params') of the expanded model: the same function as (cfg, params) at `expansion`'s cost."""
-    ex = _Expander(cfg, expansion)
+    ex = Expander(cfg, expansion)
     pure = jax.tree.map(np.asarray, _pure(params))
     return (ex.cfg2, *build_params(ex.cfg2, ex.model(pure)))
 
@@ -236,51 +242,18 @@ def expand_heads(
     expanded_params,
     expansion: Expansion = Expansion(),
 ):
-    """(meta', graphdef', params') of trained Medusa, EAGLE or EAGLE-3 heads of (cfg) for the expanded target: the
-    same drafts (their extra feature dims stay zero), at the cost of heads of the wide target."""
-    from specjax import heads
-
-    ex = _Expander(cfg, expansion)
-    d, d2 = cfg.dim, expansion.dim
-    p = jax.tree.map(lambda x: np.asarray(x, np.float32), _pure(head_params))
-    if meta["method"] == "medusa":  # residual blocks x + SiLU(W x + b), then a vocabulary projection
-        nh, nl = p["w"].shape[:2]
-        new = {
-            "w": ex.pad(p["w"], (nh, nl, d2, d2)),
-            "b": ex.pad(p["b"], (nh, nl, d2)),
-            "proj": ex.pad(p["proj"], (nh, cfg.vocab_size, d2)),
-        }
-    elif meta["method"] == "eagle":  # fc: concat(embedding, feature) 2D -> D, then one target-shaped layer
-        fc = np.zeros((d2, 2 * d2), ex.dt)
-        fc[:d, :d], fc[:d, d2 : d2 + d] = p["fc"]["weight"][:, :d], p["fc"]["weight"][:, d:]
-        layer = ex.block(p["layer"], np.random.default_rng([expansion.seed, 10**6]))
-        new = {"fc": {"weight": fc, "bias": ex.pad(p["fc"]["bias"], (d2,))}, "layer": layer}
-    elif meta["method"] == "eagle3":  # fc fuses the tapped layers; the layer reads [embedding, feature]
-        n_taps = p["fc"]["weight"].shape[1] // d
-        fc = np.zeros((d2, n_taps * d2), ex.dt)
-        for i in range(n_taps):
-            fc[:d, i * d2 : i * d2 + d] = p["fc"]["weight"][:, i * d : (i + 1) * d]
-        halves = [  # the q/k/v columns reading the embedding, then those reading the feature
-            ex.block({**p["layer"], "wqkv": {"weight": w}}, np.random.default_rng([expansion.seed, 10**6]))
-            for w in np.split(p["layer"]["wqkv"]["weight"], 2, axis=1)
-        ]
-        layer = halves[1] | {
-            "wqkv": {"weight": np.concatenate([h["wqkv"]["weight"] for h in halves], axis=1)},
-            "embed_norm": {"weight": ex.norm(p["layer"]["embed_norm"]["weight"])},
-        }
-        new = {
-            "fc": {"weight": fc},
-            "layer": layer,
-            "norm": {"weight": ex.norm(p["norm"]["weight"])},
-            "lm_head": {"weight": ex.pad(p["lm_head"]["weight"], (p["lm_head"]["weight"].shape[0], d2))},
-        }
-        where = expansion.original_layers(cfg.n_layers)  # a tap reads the residual after an original layer
-        meta = {**meta, "shape": {**meta["shape"], "layers": [where[i] for i in meta["shape"]["layers"]]}}
-    else:
+    """(meta', graphdef', params') of trained heads of (cfg) for the expanded target, as their head type expands
+    them (`registry.TrainedHeads.expand`, given an `Expander`): the same drafts (their extra feature dims stay
+    zero), at the cost of heads of the wide target."""
+    expandable = sorted(m for m in registry.head_methods() if registry.trained(m).expand is not None)
+    if meta["method"] not in expandable:
         raise ValueError(
-            f"cannot expand heads of method {meta['method']!r}; expandable: medusa, eagle, eagle3"
+            f"cannot expand heads of method {meta['method']!r}; expandable: {', '.join(expandable)}"
         )
-    meta2 = heads.describe(meta["method"], meta["shape"], expanded_cfg)
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32), _pure(head_params))
+    expand = registry.trained(meta["method"]).expand
+    new, shape = expand(meta["shape"], p, Expander(cfg, expansion), expansion, cfg)
+    meta2 = heads.describe(meta["method"], shape, expanded_cfg)
     graphdef, fresh = heads.new_heads(meta2, expanded_cfg, expanded_params)
     new = jax.tree.map(lambda f, x: jax.numpy.asarray(x, f.dtype), fresh, new)
     return meta2, graphdef, new

@@ -1,4 +1,5 @@
-"""Finding and loading a model with its tokenizer: Hugging Face dirs, llama2.c files, specjax Orbax dirs.
+"""Finding and loading a model with its tokenizer, whatever its format: Hugging Face directories (safetensors),
+llama2.c files and specjax checkpoints (`specjax.models.store`), onto one device or a mesh.
 
 Resolution of the default demo model (`stories260K`), first match wins:
   1. an explicit path;
@@ -14,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from specjax import checkpoint
+from specjax.models import store
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
 from specjax.sharding import leaf_placer, llama_shardings, place
@@ -144,9 +145,9 @@ def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> Lo
     placed."""
     path = resolve(name)
     tok_folder = path
-    if (path / checkpoint.MARKER).exists():
+    if (path / store.MARKER).exists():
         shardings = None if mesh is None else (lambda tree: llama_shardings(mesh, tree))
-        cfg, graphdef, params = checkpoint.restore_model(path, dtype, shardings)
+        cfg, graphdef, params = store.restore_model(path, dtype, shardings)
         tok_folder = path / "tokenizer"
     elif (path / "config.json").exists():
         cfg = read_hf_config(path / "config.json", dtype)
@@ -160,7 +161,7 @@ def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> Lo
         )
         if not bins:
             raise CheckpointError(
-                f"{path} holds no config.json, {checkpoint.MARKER} or llama2.c *.bin checkpoint; pass a "
+                f"{path} holds no config.json, {store.MARKER} or llama2.c *.bin checkpoint; pass a "
                 "Hugging Face model directory, a llama2.c file or a checkpoint written by specjax.convert"
             )
         tok_folder = bins[0].parent

@@ -237,9 +237,9 @@ def _read_cache(cache: Path, provenance: dict) -> Corpus | None:
 
 def load_corpus(config, target, tokenizer, target_id: str | None = None, write: bool = True) -> Corpus:
     """The packed `[N, seq_len]` training tokens and loss mask for `config.data`, built once and cached at
-    `config.data.cache` (if `write`) with its provenance; `target_id` is the target's `checkpoint.identity`
+    `config.data.cache` (if `write`) with its provenance; `target_id` is the target's `specjax.models.store.identity`
     (computed from its weights if None). A cache built from another target, source or settings is rebuilt."""
-    from specjax import checkpoint
+    from specjax.models.store import model_identity, params_digest
 
     d = config.data
     cfg = target[0]
@@ -249,7 +249,7 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
     provenance = None
     conversations = d.source != "self_distill" and chat.is_conversation_file(d.source)
     if cache is not None or conversations:
-        target_id = target_id or checkpoint.model_identity(cfg, checkpoint.params_digest(target[2]))
+        target_id = target_id or model_identity(cfg, params_digest(target[2]))
     if cache is not None:
         provenance = corpus_provenance(config, target_id)
         corpus = _read_cache(cache, provenance)

@@ -1,5 +1,6 @@
-"""Optax training of Medusa / EAGLE heads on a frozen target restored from an Orbax checkpoint (a target given as
-anything else the decoder loads is converted into one on the first run: `checkpoint.converted`).
+"""Optax training of any registered head type (Medusa, EAGLE, EAGLE-3, ...) on a frozen target restored from an
+Orbax checkpoint (a target given as anything else the decoder loads is converted into one on the first run:
+`specjax.models.conversion.converted`).
 
 Sharding: a `("data", "model")` mesh; the batch is split over `data`, head parameters and optimiser state
 are replicated, the frozen target is restored straight onto the mesh, split Megatron style over `model`
@@ -31,9 +32,11 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import checkpoint, files, heads, precision, sharding
+from specjax import files, heads, precision, sharding
 from specjax.drafters import registry
+from specjax.models.conversion import converted
 from specjax.models.loading import load_tokenizer
+from specjax.models.store import identity, restore_model, restore_step
 from specjax.sharding import llama_shardings, make_mesh
 from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
@@ -58,16 +61,14 @@ def make_optimizer(opt, steps: int) -> optax.GradientTransformation:
 
 def target_path(config) -> Path:
     """The target's specjax checkpoint: `config.target` if it is one, else its conversion (made on the first
-    run, at `config.target_checkpoint`; see `checkpoint.converted`)."""
-    return checkpoint.converted(config.target, config.target_checkpoint)
+    run, at `config.target_checkpoint`; see `specjax.models.conversion.converted`)."""
+    return converted(config.target, config.target_checkpoint)
 
 
 def load_target(config, mesh: Mesh):
     with sharding.main_first("target converted"):  # converted once, by process 0
         path = target_path(config)
-    cfg, graphdef, params = checkpoint.restore_model(
-        path, shardings=lambda tree: llama_shardings(mesh, tree)
-    )
+    cfg, graphdef, params = restore_model(path, shardings=lambda tree: llama_shardings(mesh, tree))
     return (cfg, graphdef, params), load_tokenizer(path / "tokenizer", cfg.vocab_size)
 
 
@@ -211,7 +212,7 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
             f"config data.sample_len={d.sample_len} (+ BOS) exceeds the target's context of "
             f"{cfg.max_seq_len} tokens; pass --config.data.sample_len={cfg.max_seq_len - 1} or less"
         )
-    target_id = checkpoint.identity(target_path(config), cfg, target_params)
+    target_id = identity(target_path(config), cfg, target_params)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=t.keep_checkpoints, create=True, enable_async_checkpointing=False
     )
@@ -267,7 +268,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree
         )
-        restored = checkpoint.restore_step(
+        restored = restore_step(
             manager,
             step,
             f"resume from step {step} in {workdir / 'checkpoints'}",

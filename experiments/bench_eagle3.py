@@ -15,10 +15,11 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.common import HEAD_PROMPTS as PROMPTS
-from experiments.common import decode_seconds, write_table
+from experiments import harness
+from experiments.common import decode_seconds
+from experiments.harness import HEAD_PROMPTS as PROMPTS
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec
 from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -61,7 +62,7 @@ def rows_for(target, label, workdir, prompts, samplers, ar_seconds, trees):
         k, tree = shape_of(text)
         for sampler in samplers:
             drafter = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
-            spec = GenerateSpec(FLAGS.new_tokens, sampler, eos_id=None)
+            spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
             seconds, stats = decode_seconds(
                 cfg, target.graphdef, target.params, prompts, spec, FLAGS.repeats, drafter, dparams
             )
@@ -94,7 +95,7 @@ def main(argv):
             target.graphdef,
             target.params,
             prompts,
-            GenerateSpec(FLAGS.new_tokens, s, eos_id=None),
+            harness.generate_spec(FLAGS.new_tokens, s, eos_id=None),
             FLAGS.repeats,
         )[0]
         for s in samplers

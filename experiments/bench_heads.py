@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
-from experiments.common import decode_seconds, write_table
+from experiments import common, harness
+from experiments.common import decode_seconds
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec, generate
+from specjax.decoding import generate
 from specjax.drafters import registry
 from specjax.metrics import summarize
 from specjax.models.loading import load_model
@@ -35,7 +36,7 @@ flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 FLAGS = flags.FLAGS
 
-PROMPTS = common.HEAD_PROMPTS
+PROMPTS = harness.HEAD_PROMPTS
 
 
 def main(argv):
@@ -51,7 +52,7 @@ def main(argv):
     }
 
     # Table 1 on the greedy continuations (cut to the shortest prompt + n tokens).
-    greedy = generate(cfg, graphdef, params, prompts, GenerateSpec(n, eos_id=None))
+    greedy = generate(cfg, graphdef, params, prompts, harness.generate_spec(n, eos_id=None))
     width = min(map(len, prompts)) + n
     sequences = jnp.asarray(
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
@@ -88,7 +89,7 @@ def main(argv):
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         sampler = Sampler(temperature)
-        spec = GenerateSpec(n, sampler, eos_id=None)
+        spec = harness.generate_spec(n, sampler, eos_id=None)
         ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
         rows.append(
             dict(

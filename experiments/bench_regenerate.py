@@ -19,9 +19,10 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.common import decode_seconds, write_table
+from experiments import harness
+from experiments.common import decode_seconds
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec
 from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -123,7 +124,7 @@ def main(argv):
         for t in FLAGS.temperatures:
             sampler = Sampler(float(t))
             drafter = heads.make_drafter(meta, graphdef, target.cfg, tree.depth, sampler, tree)
-            spec = GenerateSpec(FLAGS.new_tokens, sampler, eos_id=None)
+            spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
             _, stats = decode_seconds(*model, prompts, spec, 1, drafter, dparams)
             m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))
             alphas = {f"alpha_{i + 1}": a for i, a in enumerate(m["alpha"])}

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.common import decode_seconds, per_call_seconds, write_table
+from experiments import harness
+from experiments.common import decode_seconds, per_call_seconds
+from experiments.harness import write_table
 from specjax import cli
-from specjax.decoding import GenerateSpec
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.metrics import summarize
 from specjax.models.loading import load_model
@@ -46,7 +47,7 @@ def main(argv):
     n, rows = FLAGS.new_tokens, []
     one_token = per_call_seconds(cfg, graphdef, params, 1, 256, FLAGS.repeats)
     for temperature in map(float, FLAGS.temperatures):
-        spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
+        spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
         ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
         rows.append(
             dict(

@@ -35,16 +35,15 @@ from pathlib import Path
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
+from experiments import common, harness
 from specjax import analysis, cli, metrics, results
-from specjax.decoding import GenerateSpec
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
 SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "systems")
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
-flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
+flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per decode (median).")
 FLAGS = flags.FLAGS
 
@@ -172,10 +171,10 @@ def categories(tokenizer, quick: bool) -> dict:
     n = 1 if quick else None
     new = 8 if quick else 128
     return {
-        "free": ([tokenizer.encode(p) for p in common.STORY_OPENINGS[:n]], new),
-        "grounded": ([tokenizer.encode(p) for p in common.GROUNDED[:n]], new),
+        "free": ([tokenizer.encode(p) for p in harness.STORY_OPENINGS[:n]], new),
+        "grounded": ([tokenizer.encode(p) for p in harness.GROUNDED[:n]], new),
         "long": (
-            [tokenizer.encode(p) for p in common.STORY_OPENINGS[: 1 if quick else 4]],
+            [tokenizer.encode(p) for p in harness.STORY_OPENINGS[: 1 if quick else 4]],
             2 * new if quick else 384,
         ),
     }
@@ -233,7 +232,7 @@ def main_rows(target, quick: bool, repeats: int) -> list[dict]:
     for category, (prompts, n) in categories(target.tokenizer, quick).items():
         for t in (0.0,) if quick else (0.0, 1.0):
             sampler = Sampler(t)
-            spec = GenerateSpec(n, sampler, eos_id=None)
+            spec = harness.generate_spec(n, sampler, eos_id=None)
             ar_s, _ = timed(*model, prompts, spec, repeats)
             base = dict(category=category, T=t)
             rows.append(
@@ -352,9 +351,9 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
     from specjax.decoding import generate
 
     cfg = target.cfg
-    prompts = [target.tokenizer.encode(p) for p in common.HEAD_PROMPTS[: 2 if quick else None]]
+    prompts = [target.tokenizer.encode(p) for p in harness.HEAD_PROMPTS[: 2 if quick else None]]
     n = 16 if quick else 128
-    greedy = generate(cfg, target.graphdef, target.params, prompts, GenerateSpec(n, eos_id=None))
+    greedy = generate(cfg, target.graphdef, target.params, prompts, harness.generate_spec(n, eos_id=None))
     width = min(map(len, prompts)) + n
     sequences = jnp.asarray(
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
@@ -374,7 +373,7 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
         for setting, k, tree in shapes[:1] if quick else shapes:
             for t in (0.0,) if quick else (0.0, 1.0):
                 drafter, dparams = build(target, method, {}, k, tree, Sampler(t), None)
-                spec = GenerateSpec(n, Sampler(t), eos_id=None)
+                spec = harness.generate_spec(n, Sampler(t), eos_id=None)
                 _, stats = timed(cfg, target.graphdef, target.params, prompts, spec, 1, drafter, dparams)
                 m = metrics.pooled(stats)
                 alphas = {f"alpha_{i + 1}": float(a) for i, a in enumerate(m["alpha"])}
@@ -407,11 +406,11 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     import matplotlib.pyplot as plt
 
     model = (target.cfg, target.graphdef, target.params)
-    prompts = [target.tokenizer.encode(p) for p in common.STORY_OPENINGS[: 1 if quick else 5]]
+    prompts = [target.tokenizer.encode(p) for p in harness.STORY_OPENINGS[: 1 if quick else 5]]
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
     ks = (1, 2) if quick else tuple(range(1, 9))
     drafters = ("ngram",) if quick else ("ngram", "medusa", "eagle", "eagle3")
-    greedy = GenerateSpec(n, Sampler(0.0), eos_id=None)
+    greedy = harness.generate_spec(n, Sampler(0.0), eos_id=None)
     ar_s, _ = timed(*model, prompts, greedy, repeats)
     k_rows = []
     for name in drafters:
@@ -445,7 +444,9 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     for name in drafters:
         for t in temps:
             drafter, dparams = build(target, name, {}, 4, None, Sampler(t), None)
-            _, stats = timed(*model, prompts, GenerateSpec(n, Sampler(t), eos_id=None), 1, drafter, dparams)
+            _, stats = timed(
+                *model, prompts, harness.generate_spec(n, Sampler(t), eos_id=None), 1, drafter, dparams
+            )
             t_rows.append(dict(drafter=name, T=t, tau=metrics.pooled(stats)["tau"]))
     title = f"Temperature on stories260K (chain K=4, {len(prompts)} prompts x {n} tokens): tau"
     results.write_table(out, "sweep_temperature", t_rows, title, the_stamp=stamp)
@@ -453,11 +454,11 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
     b_rows = []
     for b in batches:
         batch = (prompts * b)[:b]
-        run_ar = lambda: common.median_time(lambda: _decode(model, batch, greedy), repeats)
+        run_ar = lambda: harness.median_time(lambda: _decode(model, batch, greedy), repeats)
         ar = run_ar()
         for name in drafters[-1:]:
             drafter, dparams = build(target, name, {}, 4, None, Sampler(0.0), None)
-            spec = common.median_time(lambda: _decode(model, batch, greedy, drafter, dparams), repeats)
+            spec = harness.median_time(lambda: _decode(model, batch, greedy, drafter, dparams), repeats)
             b_rows.append(
                 dict(drafter=name, batch=b, ar_tok_s=b * n / ar, spec_tok_s=b * n / spec, speedup=ar / spec)
             )
@@ -505,9 +506,9 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     assistant = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
     assistant.config.num_hidden_layers, assistant.model.layers = 1, assistant.model.layers[:1]
     texts = (
-        common.STORY_OPENINGS[:1] + common.GROUNDED[:1]
+        harness.STORY_OPENINGS[:1] + harness.GROUNDED[:1]
         if quick
-        else common.STORY_OPENINGS[:5] + common.GROUNDED[:5]
+        else harness.STORY_OPENINGS[:5] + harness.GROUNDED[:5]
     )
     prompts = [target.tokenizer.encode(t) for t in texts]
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
@@ -519,7 +520,7 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     ]
     rows = []
     for t in (0.0,) if quick else (0.0, 1.0):
-        spec = GenerateSpec(n, Sampler(t), eos_id=None)
+        spec = harness.generate_spec(n, Sampler(t), eos_id=None)
         reference = [np.asarray(generate(*model, [p], spec).tokens[0]).tolist() for p in prompts]
         for method, name, settings, hf_kwargs in ours:
             drafter, dparams = (
@@ -584,9 +585,9 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
     from specjax.decoding import compile_decode
 
     model = (target.cfg, target.graphdef, target.params)
-    prompt = target.tokenizer.encode(common.STORY_OPENINGS[0])
+    prompt = target.tokenizer.encode(harness.STORY_OPENINGS[0])
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
-    spec = GenerateSpec(n, Sampler(0.0), eos_id=None)
+    spec = harness.generate_spec(n, Sampler(0.0), eos_id=None)
     datastore = None if quick else common.story_datastore(target, 65_536)
     shared = {id(x) for x in jax.tree.leaves(target.params)}
     rows, ar_step = [], None
@@ -597,7 +598,7 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
                 target, name, settings, k, parse_tree(tree or ""), Sampler(0.0), datastore
             )
         run, compile_s = compile_decode(*model, [prompt], spec, drafter, dparams)
-        seconds = common.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
+        seconds = harness.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
         rounds = n if name is None else int(jax.device_get(run([prompt]).stats.rounds))
         round_ms = 1e3 * seconds / max(rounds, 1)
         ar_step = ar_step or round_ms

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from specjax import acceptance, cli, sharding
+from specjax import acceptance, cli, precision, sharding
 from specjax.decoding import AdaptiveK, GenerateSpec
 from specjax.drafters import registry
 from specjax.metrics import speedup, summarize
@@ -36,6 +36,13 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
+flags.DEFINE_enum(
+    "matmul_precision",
+    "dtype",
+    precision.CHOICES,
+    "Matrix-product precision: dtype = full float32 for float32 weights, the backend's default for bfloat16/float16; "
+    "default/high/highest choose (default runs float32 as TF32 on GPUs: faster, not batch-invariant).",
+)
 flags.DEFINE_string(
     "quantize",
     "",
@@ -169,7 +176,12 @@ def main(argv):
     mesh = sharding.make_mesh(*sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
     model = load_model(FLAGS.model, FLAGS.dtype, mesh)
     spec = GenerateSpec(
-        FLAGS.max_new_tokens, sampler, eos_id=model.cfg.eos_id, acceptance=rule, adaptive_k=adaptive_k()
+        FLAGS.max_new_tokens,
+        sampler,
+        eos_id=model.cfg.eos_id,
+        acceptance=rule,
+        adaptive_k=adaptive_k(),
+        matmul_precision=FLAGS.matmul_precision,
     )
     drafter, drafter_params = make_drafter(model, sampler, plan)
     model = quantize_loaded(model, quant)
@@ -186,13 +198,14 @@ def main(argv):
     if drafter and FLAGS.compare_ar:
         runs.append(("ar", ar_report))
     print(
-        "| mode | model | dtype | prompts | new tokens | compile s | decode s | tokens/s |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "| mode | model | dtype | matmul precision | prompts | new tokens | compile s | decode s | tokens/s |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     name = model.path.name + (f" {quant.describe()}, lossy vs float" if quant else "")
+    matmul = precision.describe(spec.matmul_precision, model.cfg.dtype)
     for mode, r in runs:
         print(
-            f"| {mode} | {name} | {model.cfg.dtype} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
+            f"| {mode} | {name} | {model.cfg.dtype} | {matmul} | {len(prompts)} | {r.new_tokens} | {r.compile_s:.2f} "
             f"| {r.run_s:.3f} | {r.tokens_per_s:.1f} |"
         )
     if drafter:

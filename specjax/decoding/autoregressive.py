@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax import precision
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare
 from specjax.decoding.prefill import prefill
 from specjax.models.config import LlamaConfig
@@ -23,6 +24,11 @@ class Generation:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "spec"))
 def generate_compiled(cfg, graphdef, params, tokens_BP, lengths_B, key, spec: GenerateSpec):
+    with precision.scope(spec.matmul_precision, cfg.dtype):
+        return _generate(cfg, graphdef, params, tokens_BP, lengths_B, key, spec)
+
+
+def _generate(cfg, graphdef, params, tokens_BP, lengths_B, key, spec: GenerateSpec):
     batch = tokens_BP.shape[0]
     n_new, sampler = spec.max_new_tokens, spec.sampler
     logits, cache, _ = prefill(cfg, graphdef, params, tokens_BP, lengths_B, spec.cache_size)

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from specjax import precision
 from specjax.acceptance import AcceptanceRule
 from specjax.acceptance.rejection import TokenWise
 from specjax.decoding.adaptive import AdaptiveK
@@ -27,6 +28,10 @@ class GenerateSpec:
     eos_id: int | None = 2  # None: never stop early
     acceptance: AcceptanceRule = TokenWise()  # speculative decoding's rule (`specjax.acceptance.get`)
     adaptive_k: AdaptiveK | None = None  # choose each round's K on device (a chain drafter of the largest)
+    matmul_precision: str = "dtype"  # `specjax.precision.CHOICES`; dtype: float32 weights at full precision
+
+    def __post_init__(self):
+        precision.check(self.matmul_precision)
 
     @property
     def stop_id(self) -> int:

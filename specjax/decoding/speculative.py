@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import precision
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.drafters.base import feature_taps, propose
@@ -206,6 +207,11 @@ def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
 def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+    with precision.scope(spec.matmul_precision, cfg.dtype):
+        return _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec)
+
+
+def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
     loop, limit, round_keys = start(
         cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec
     )
@@ -226,14 +232,18 @@ def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_
     return SpecGeneration(out, n_out, loop.stats)
 
 
-_start = jax.jit(start, static_argnames=("cfg", "graphdef", "drafter", "spec"))
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
+def _start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+    with precision.scope(spec.matmul_precision, cfg.dtype):
+        return start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "spec"))
 def _timed_rounds(graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys, index, rounds):
     go_on = lambda lp: lp.stats.rounds < rounds
     args = (graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys)
-    return adaptive_rounds(*args, go_on, lambda lp: index).stats
+    with precision.scope(spec.matmul_precision, precision.params_dtype(params)):
+        return adaptive_rounds(*args, go_on, lambda lp: index).stats
 
 
 def calibrate(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import heads
+from specjax import heads, precision
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
 from specjax.models.config import LlamaConfig
@@ -64,6 +64,7 @@ def init_eagle(target_cfg: LlamaConfig, seed: int = 0, input_norm: bool = True):
     return graphdef, nnx.to_pure_dict(state)
 
 
+@precision.follows_params
 def eagle_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
     """(logits [B, T, V] float32, predicted features [B, T, H], cache). `params` = {"head": the head's
     params, "embed": the target's embedding [V, H], "unembed": the target's LM head [V, H]}."""
@@ -160,6 +161,7 @@ class Eagle(KOrTree):
         return state.replace(feats=feats_BDH)
 
 
+@precision.follows_params
 def eagle_loss(
     graphdef, layer_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, key, noise: float, ce_weight: float
 ):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import heads
+from specjax import heads, precision
 from specjax.drafters import registry
 from specjax.drafters.base import target_io
 from specjax.drafters.eagle import Eagle, layer_config
@@ -128,6 +128,7 @@ def init_eagle3(target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, 
     return graphdef, nnx.to_pure_dict(state)
 
 
+@precision.follows_params
 def eagle3_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
     """(draft-vocabulary logits [B, T, N], output features [B, T, H], cache) for inputs (token i + 1, feature i),
     the features already fused (`Eagle3Head.fuse`) or the head's own. `params` = {"head", "embed", "unembed",
@@ -168,6 +169,7 @@ class Eagle3(Eagle):
         return to_target_vocab(logits, params["draft_ids"], self.layer_cfg.vocab_size), feats, cache
 
 
+@precision.follows_params
 def eagle3_loss(
     graphdef, layer_cfg, params, feats_BTF, tokens_BT, loss_mask_BT, unroll: int, step_weight: float
 ):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import heads
+from specjax import heads, precision
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
 from specjax.layouts import Draft
@@ -47,6 +47,7 @@ def init_medusa(num_heads: int, num_layers: int, unembed_VH: jax.Array):
     return graphdef, nnx.to_pure_dict(state)
 
 
+@precision.follows_params
 def medusa_logits(graphdef, params, feats_xH: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(feats_xH)
 
@@ -101,6 +102,7 @@ class Medusa(KOrTree):
         return jnp.take_along_axis(feats_BDH, n_accepted_B[:, None, None], axis=1)[:, 0]
 
 
+@precision.follows_params
 def medusa_loss(graphdef, params, feats_BTH, tokens_BT, loss_mask_BT, decay: float):
     """Sum over heads i of decay^i * cross-entropy of head i at position t against token t + 2 + i (Medusa-1),
     over the tokens whose loss mask is 1."""

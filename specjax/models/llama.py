@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from specjax import precision
 from specjax.cache import KVCache
 from specjax.models.config import LlamaConfig
 
@@ -234,6 +235,7 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32), Hidden(final, tuple(tapped[i] for i in taps)), cache
 
 
+@precision.follows_params
 def forward(
     graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()
 ):

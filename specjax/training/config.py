@@ -12,6 +12,8 @@ from pathlib import Path
 
 import ml_collections
 
+from specjax import precision
+
 
 class TrainingConfigError(ValueError):
     """A training setting that cannot work; the message names the key, the value and the fix."""
@@ -36,6 +38,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.target = "stories260K"
     c.target_checkpoint = ""
     c.seed = 0
+    # matrix products of the target and the heads, forward and backward (specjax.precision): "dtype" runs float32
+    # weights at full float32 precision on every backend; "default", "high", "highest" choose otherwise
+    c.matmul_precision = "dtype"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = (
@@ -154,6 +159,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(c.method in head_methods(), "method", f"is not one of {head_methods()}")
     need(isinstance(c.target, str) and bool(c.target.strip()), "target", "must name a model or checkpoint")
     need(c.seed >= 0, "seed", "must be >= 0")
+    need(c.matmul_precision in precision.CHOICES, "matmul_precision", f"is not one of {precision.CHOICES}")
     d, h, o, t = c.data, c.heads, c.optimizer, c.train
     if d.source != "self_distill":
         need(

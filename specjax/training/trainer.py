@@ -31,7 +31,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import checkpoint, files, heads, sharding
+from specjax import checkpoint, files, heads, precision, sharding
 from specjax.drafters import registry
 from specjax.models.loading import load_tokenizer
 from specjax.sharding import llama_shardings, make_mesh
@@ -90,6 +90,30 @@ def loss_fn(meta: dict, config, graphdef, target):
         return registry.trained(meta["method"]).loss(graphdef, cfg, full, feats, tokens, loss_mask, key, h)
 
     return loss
+
+
+def make_train_step(loss, optimizer, config, dtype):
+    """The compiled step `(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad) ->
+    (params, opt_state, metrics, first_bad)`: forward and backward at `config.matmul_precision` for weights of
+    `dtype` (`specjax.precision`); `first_bad` keeps the first step whose loss or gradient was not finite."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad):
+        with precision.scope(config.matmul_precision, dtype):
+            (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
+                params, target_params, tokens, loss_mask, feats, key
+            )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            metrics | {"grad_norm": grad_norm},
+            jnp.where((first_bad < 0) & ~finite, step, first_bad),  # the first step with a non-finite loss
+        )
+
+    return train_step
 
 
 class Logger:
@@ -235,22 +259,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     opt_state = jax.device_put(optimizer.init(params), replicated)
     batch_sharding = NamedSharding(mesh, P("data"))
     width = tokens.shape[1]
-    loss = loss_fn(meta, config, graphdef, target)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad):
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
-            params, target_params, tokens, loss_mask, feats, key
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-        return (
-            optax.apply_updates(params, updates),
-            opt_state,
-            metrics | {"grad_norm": grad_norm},
-            jnp.where((first_bad < 0) & ~finite, step, first_bad),  # the first step with a non-finite loss
-        )
+    train_step = make_train_step(loss_fn(meta, config, graphdef, target), optimizer, config, cfg.dtype)
 
     step, position = 0, 0
     if manager.latest_step() is not None:
@@ -350,7 +359,12 @@ def _feature_store(config, target, corpus: data.Corpus, target_id: str, taps: tu
                 f"feature store {folder} does not exist yet; build it with a run of one process first (or "
                 "train with data.features='online')"
             )
-        features = jax.jit(lambda t: losses.target_features(cfg, graphdef, params, t, taps))
+
+        def target_features(tokens):
+            with precision.scope(config.matmul_precision, cfg.dtype):
+                return losses.target_features(cfg, graphdef, params, tokens, taps)
+
+        features = jax.jit(target_features)
         manifest = data.build_feature_store(folder, corpus, features, provenance=provenance)
         logging.info(
             "feature store %s: %d sequences, %d bytes per token",

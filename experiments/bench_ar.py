@@ -26,6 +26,7 @@ from specjax.models.loading import load_model
 flags.DEFINE_integer("repeats", 5, "Timed runs per system (median reported).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_list("models", ["stories260K", "llama-15M", "llama-110M"], "Models to run.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 PROMPT = "Once upon a time, there was a little"
 

@@ -54,6 +54,7 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("corpus_tokens", 65_536, "Tokens in the retrieval drafter's datastore.")
 flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, T = 1, two settings, one repetition.")
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 FREE = harness.STORY_OPENINGS

@@ -460,32 +460,27 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
 
 def run(settings: Settings, results: str | None = None) -> dict:
     """Runs the benchmark; returns {table name: rows} and writes each table."""
-    if results:
-        harness.RESULTS = Path(results)
+    out = harness.Writer(Path(results) if results else harness.RESULTS)
     small, target, draft_model, loaded = load(settings)
     cfg = target[0]
     machine, curve_rows, curves, costs, bw = measure_curve(settings, small, target, draft_model, loaded)
-    print(harness.write_table(f"{settings.name}_machine", [machine], "Machine, measured in this run"))
-    print(
-        harness.write_table(
-            f"{settings.name}_curve",
-            curve_rows,
-            f"One target pass over T new tokens (cache of 192 slots, 96 committed; fastest of "
-            f"{max(settings.repeats, 5)} timed loops of {settings.calls}): ms, relative to T = 1, the "
-            f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
-            f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
-        )
+    out.table(f"{settings.name}_machine", [machine], "Machine, measured in this run")
+    out.table(
+        f"{settings.name}_curve",
+        curve_rows,
+        f"One target pass over T new tokens (cache of 192 slots, 96 committed; fastest of "
+        f"{max(settings.repeats, 5)} timed loops of {settings.calls}): ms, relative to T = 1, the "
+        f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
+        f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
     )
     c_eagle = costs[("eagle", 1)] / curves[1][1]
     taus = pilot_taus(settings, small, loaded)
     pilot, chain_k, dynamic = choose_shapes(settings, taus, curves[1], c_eagle)
-    print(
-        harness.write_table(
-            f"{settings.name}_pilot",
-            pilot,
-            f"EAGLE shapes: tau on stories260K (greedy, 2 prompts x {settings.pilot_tokens} tokens), verify "
-            f"cost v from the curve, predicted speedup tau / (depth x c + v), c = {c_eagle:.3f}",
-        )
+    out.table(
+        f"{settings.name}_pilot",
+        pilot,
+        f"EAGLE shapes: tau on stories260K (greedy, 2 prompts x {settings.pilot_tokens} tokens), verify "
+        f"cost v from the curve, predicted speedup tau / (depth x c + v), c = {c_eagle:.3f}",
     )
     n_medusa = loaded["medusa"]["big"][0]["shape"]["num_heads"]
     rows = decode_rows(
@@ -497,7 +492,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
         f"tokens, medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token "
         "pass, predicted = E / (calls x c + v)"
     )
-    print(harness.write_table(f"{settings.name}_decode", rows, title))
+    out.table(f"{settings.name}_decode", rows, title)
     if not settings.sweeps:
         return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows)
     ks = k_sweep(settings, small, target, loaded, curves, costs)
@@ -506,22 +501,15 @@ def run(settings: Settings, results: str | None = None) -> dict:
         f"{settings.new_tokens} tokens, medians of {settings.repeats}): predicted = E(a, K) / (K c + v(K + 1)); "
         "analytic_optimum: the K maximising it at the sweep's mean a"
     )
-    print(harness.write_table(f"{settings.name}_k", ks, title))
+    out.table(f"{settings.name}_k", ks, title)
     batches = batch_sweep(settings, small, target, loaded, chain_k)
     title = (
         f"Batch size on the expanded target: AR against EAGLE-3's chain K={chain_k} (greedy, "
         f"{max(settings.new_tokens // 2, 1)} tokens a row, medians of {settings.repeats}); c and v measured at "
         "each batch; speedup < 1 where a batched target pass is no longer nearly free"
     )
-    print(harness.write_table(f"{settings.name}_batch", batches, title))
-    return {
-        "machine": [machine],
-        "curve": curve_rows,
-        "pilot": pilot,
-        "decode": rows,
-        "k": ks,
-        "batch": batches,
-    }
+    out.table(f"{settings.name}_batch", batches, title)
+    return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows, k=ks, batch=batches)
 
 
 def jobs(settings: Settings) -> list[tuple]:

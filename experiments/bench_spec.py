@@ -55,6 +55,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_bool("hf", True, "Also time transformers' assisted generation.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 PROMPT = "Once upon a time, there was a little"
 RANDOM_DRAFT = {

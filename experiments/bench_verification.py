@@ -46,7 +46,7 @@ from specjax.decoding import AdaptiveK, compile_decode, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.decoding.speculative import calibrate
 from specjax.drafters import registry
-from specjax.metrics import summarize
+from specjax.metrics import pooled, summarize
 from specjax.models.llama import forward
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -93,6 +93,7 @@ flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
 )
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 # Drafter settings beside the registry's defaults: the default draft model (the target truncated to 1 of its 5
@@ -195,7 +196,7 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     )
     rows = []
     for rule in rules:
-        m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats[rule.name]))
+        m = pooled(stats[rule.name])
         accepted = expected_accepted(rule, sampler, draft, logits, jax.random.key(1))
         rows.append(
             dict(

@@ -34,14 +34,6 @@ from experiments import harness
 from specjax import cli
 
 REPO = Path(__file__).resolve().parents[1]
-flags.DEFINE_enum("sizes", "device", ["device", "smoke"], "device: sized from the device; smoke: tiny.")
-flags.DEFINE_bool("tests", True, "Run the test suite first (device_tests table).")
-flags.DEFINE_integer("workers", 8, "pytest workers on the device.")
-flags.DEFINE_list("parts", ["ar", "memory_bound"], "Benchmarks to run: ar, memory_bound.")
-flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes of the memory-bound benchmark.")
-flags.DEFINE_integer("repeats", None, "Timed rounds (default 3; smoke 1).")
-flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
-harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 # Random-weight Llama shapes of the AR comparison (vocabulary 32000, tied embeddings).
@@ -236,5 +228,18 @@ def main(argv):
         memory_bound(folder, p, FLAGS.dtypes)
 
 
+def define_flags() -> None:
+    """This script's flags, defined when it runs (tests import this module beside other experiments)."""
+    flags.DEFINE_enum("sizes", "device", ["device", "smoke"], "device: sized from the device; smoke: tiny.")
+    flags.DEFINE_bool("tests", True, "Run the test suite first (device_tests table).")
+    flags.DEFINE_integer("workers", 8, "pytest workers on the device.")
+    flags.DEFINE_list("parts", ["ar", "memory_bound"], "Benchmarks to run: ar, memory_bound.")
+    flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes of the memory-bound benchmark.")
+    flags.DEFINE_integer("repeats", None, "Timed rounds (default 3; smoke 1).")
+    flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+    harness.define_precision_flag()
+
+
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

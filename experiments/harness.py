@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from specjax import results
+from specjax.precision import CHOICES as PRECISIONS
+from specjax.precision import check as check_precision
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -148,17 +150,6 @@ def alphas(m: dict) -> str:
 
 # --- matrix-product precision -----------------------------------------------------------------------------
 
-try:  # the lead's precision policy (issue 35); its interface until it lands
-    from specjax.precision import CHOICES as PRECISIONS
-    from specjax.precision import check as _check_precision
-except ImportError:  # pragma: no cover - removed once specjax.precision is on main
-    PRECISIONS = ("dtype", "default", "high", "highest")
-
-    def _check_precision(choice: str) -> str:
-        if choice not in PRECISIONS:
-            raise ValueError(f"unknown matmul precision {choice!r}; choose from {list(PRECISIONS)}")
-        return choice
-
 
 def define_precision_flag() -> None:
     """--matmul_precision, for every experiment that decodes (its value goes into GenerateSpec and the stamps)."""
@@ -169,8 +160,9 @@ def define_precision_flag() -> None:
             "matmul_precision",
             "dtype",
             list(PRECISIONS),
-            "Matrix-product precision: dtype (full for float32, the backend's default for bfloat16/float16), "
-            "default, high or highest.",
+            "Matrix-product precision (specjax.precision): dtype (full for float32, the backend's default for "
+            "bfloat16/float16), default, high or highest.",
+            allow_override=True,  # run_decode.py's own definition may come later in the same process
         )
 
 
@@ -185,8 +177,7 @@ def generate_spec(*args, **kwargs):
     """`GenerateSpec(*args, **kwargs)` with the run's matrix-product precision (where GenerateSpec has it)."""
     from specjax.decoding import GenerateSpec
 
-    if "matmul_precision" in {f.name for f in dataclasses.fields(GenerateSpec)}:
-        kwargs.setdefault("matmul_precision", _check_precision(precision()))
+    kwargs.setdefault("matmul_precision", check_precision(precision()))
     return GenerateSpec(*args, **kwargs)
 
 

@@ -32,11 +32,6 @@ from experiments import harness
 from specjax import acceptance, cli, metrics
 from specjax.trees import Chain
 
-flags.DEFINE_multi_string("grid", [], "An axis FLAG:V1,V2,... of a run_decode.py flag (repeatable).")
-flags.DEFINE_integer("repeats", 3, "Timed rounds (each runs every setting and AR once, in turn).")
-flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the table and plot.")
-flags.DEFINE_string("name", "sweep", "Name of the table and plot files.")
-harness.define_precision_flag()
 FLAGS = flags.FLAGS
 OWN = ("grid", "repeats", "results", "name")
 # run_decode flags that AR decoding depends on (its program and its outputs); the others are the drafter's
@@ -294,5 +289,14 @@ def main(argv):
     plot(axes, rows, writer, name)
 
 
+def define_flags() -> None:
+    """The sweep's own flags, defined when it runs (tests import this module beside other experiments)."""
+    flags.DEFINE_multi_string("grid", [], "An axis FLAG:V1,V2,... of a run_decode.py flag (repeatable).")
+    flags.DEFINE_integer("repeats", 3, "Timed rounds (each runs every setting and AR once, in turn).")
+    flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the table and plot.")
+    flags.DEFINE_string("name", "sweep", "Name of the table and plot files.")
+
+
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, positional=True)

@@ -36,7 +36,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import common, harness
-from specjax import analysis, cli, metrics, results
+from specjax import analysis, cli, metrics
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
@@ -45,6 +45,7 @@ flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every 
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per decode (median).")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 # The literature's ordering (Spec-Bench, Vicuna-13B, greedy; EAGLE-2 = EAGLE's dynamic tree), fastest first.
@@ -65,13 +66,15 @@ LITERATURE = [
 BUCKET = 64
 
 
-def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
+def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None, tokens=None):
     """`common.decode_seconds` with `BUCKET`, then the compiled programs released."""
     import gc
 
     import jax
 
-    out = common.decode_seconds(cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET)
+    out = common.decode_seconds(
+        cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET, tokens
+    )
     jax.clear_caches()
     gc.collect()
     return out
@@ -125,27 +128,20 @@ def simulation_rows(rounds: int) -> list[dict]:
     return rows
 
 
-def leviathan(out: Path, quick: bool, stamp: dict) -> None:
-    import matplotlib
+def leviathan(out: harness.Writer, quick: bool) -> None:
+    plt = harness.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results.write_table(
-        out,
+    out.table(
         "leviathan_theorem38",
         improvement_rows(),
         "Leviathan et al. 2023, Theorem 3.8: expected improvement factor (1 - a^(g+1)) / ((1 - a)(g c + 1))",
         "`optimal_gamma` maximises it over gamma = 1..64 (`specjax.analysis.optimal_k`).",
-        stamp,
     )
     rounds = 20_000 if quick else 400_000
-    results.write_table(
-        out,
+    out.table(
         "leviathan_simulation",
         simulation_rows(rounds),
         f"Theorem 3.8 against a simulation of the i.i.d. acceptance process ({rounds} rounds, 99% interval)",
-        the_stamp=stamp,
     )
     alphas = np.linspace(0.05, 0.99, 95)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -159,8 +155,7 @@ def leviathan(out: Path, quick: bool, stamp: dict) -> None:
     right.set(xlabel="alpha", ylabel="improvement factor", title="Improvement at the optimal gamma")
     right.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "leviathan_figure3", stamp)
-    plt.close(fig)
+    out.figure(fig, "leviathan_figure3")
 
 
 # --- stories260K: the main table -----------------------------------------------------------------------------
@@ -278,16 +273,14 @@ def ordering_notes(rows: list[dict]) -> str:
     )
 
 
-def main_table(out: Path, quick: bool, stamp: dict, target) -> None:
+def main_table(out: harness.Writer, quick: bool, target) -> None:
     rows = main_rows(target, quick, 1 if quick else FLAGS.repeats)
-    results.write_table(
-        out,
+    out.table(
         "main_stories260K",
         rows,
         "Every drafter on stories260K (batch 1, float32): tau, tokens/s and speedup over AR in the same run, by "
         "prompt category; chains: the i.i.d. prediction of tau from the run's acceptance rate a",
         ordering_notes(rows) + "\n\n" + iid_notes(rows),
-        stamp,
     )
 
 
@@ -306,18 +299,15 @@ def iid_notes(rows: list[dict]) -> str:
     )
 
 
-def memory_bound(out: Path, quick: bool, stamp: dict) -> None:
+def memory_bound(out: harness.Writer, quick: bool) -> None:
     import dataclasses
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     from experiments import bench_memory_bound as bench
 
+    plt = harness.pyplot()
+
     settings = bench.SMOKE if quick else bench.Settings(batches=(1,))
-    tabs = bench.run(dataclasses.replace(settings, name="memory_bound"), str(out))
+    tabs = bench.run(dataclasses.replace(settings, name="memory_bound"), out.folder)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     ks = tabs["k"]
     left.plot([r["K"] for r in ks], [r["speedup"] for r in ks], marker="o", label="measured")
@@ -337,14 +327,13 @@ def memory_bound(out: Path, quick: bool, stamp: dict) -> None:
     right.set(xlabel="batch", ylabel="speedup over AR", xscale="log", title="EAGLE-3 chain against batch")
     right.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "memory_bound_sweeps", stamp)
-    plt.close(fig)
+    out.figure(fig, "memory_bound_sweeps")
 
 
 # --- heads --------------------------------------------------------------------------------------------------
 
 
-def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
+def head_tables(out: harness.Writer, quick: bool, target) -> None:
     import jax.numpy as jnp
 
     from specjax import heads
@@ -359,13 +348,11 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
     )
     meta, graphdef, params = heads.load_heads(heads.COMMITTED / "stories260K_medusa", cfg, target.params)
-    results.write_table(
-        out,
+    out.table(
         "heads_medusa_accuracy",
         common.medusa_accuracy(target, meta, graphdef, params, sequences),
         f"Medusa heads on stories260K (Medusa's Table 1 layout): accuracy on the greedy continuations of "
         f"{len(prompts)} prompts",
-        the_stamp=stamp,
     )
     rows = []
     shapes = (("chain K=6", 6, None), ("dynamic 8,6,48", 6, DynamicTree(8, 6, 48)))
@@ -386,24 +373,19 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
                     )
                     | alphas
                 )
-    results.write_table(
-        out,
+    out.table(
         "heads_eagle_acceptance",
         rows,
         f"EAGLE-2 vs EAGLE-3 heads on stories260K: acceptance alpha_i of draft depth i (given the depths before "
         f"it) and tau, {len(prompts)} prompts x {n} tokens",
-        the_stamp=stamp,
     )
 
 
 # --- sweeps -------------------------------------------------------------------------------------------------
 
 
-def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def sweeps(out: harness.Writer, quick: bool, target) -> None:
+    plt = harness.pyplot()
 
     model = (target.cfg, target.graphdef, target.params)
     prompts = [target.tokenizer.encode(p) for p in harness.STORY_OPENINGS[: 1 if quick else 5]]
@@ -430,14 +412,12 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
         best = analysis.optimal_k(float(np.mean([r["a"] for r in mine])), c, k_max=max(ks))
         for r in mine:
             r["analytic_optimum"] = r["K"] == best
-    results.write_table(
-        out,
+    out.table(
         "sweep_k",
         k_rows,
         f"Chain length K on stories260K (greedy, {len(prompts)} prompts x {n} tokens): tau, acceptance rate a, "
         "speedup over AR; analytic_optimum: Theorem 3.8's optimal K for the drafter's mean a and the draft cost c "
         "implied by its K=1 speedup",
-        the_stamp=stamp,
     )
     temps = (0.0, 1.0) if quick else (0.0, 0.3, 0.6, 1.0, 1.3)
     t_rows = []
@@ -449,7 +429,7 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
             )
             t_rows.append(dict(drafter=name, T=t, tau=metrics.pooled(stats)["tau"]))
     title = f"Temperature on stories260K (chain K=4, {len(prompts)} prompts x {n} tokens): tau"
-    results.write_table(out, "sweep_temperature", t_rows, title, the_stamp=stamp)
+    out.table("sweep_temperature", t_rows, title)
     batches = (1, 2) if quick else (1, 2, 4, 8, 16)
     b_rows = []
     for b in batches:
@@ -462,14 +442,12 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
             b_rows.append(
                 dict(drafter=name, batch=b, ar_tok_s=b * n / ar, spec_tok_s=b * n / spec, speedup=ar / spec)
             )
-    results.write_table(
-        out,
+    out.table(
         "sweep_batch",
         b_rows,
         f"Batch size on stories260K (greedy, chain K=4, {n} tokens a row): speedup over AR at the same batch",
         "The speedup shrinks as the batch grows (a batched target pass is no longer free); it crosses 1 where "
         "speedup < 1.",
-        stamp,
     )
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in drafters:
@@ -487,18 +465,15 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
         xlabel="batch", ylabel="speedup over AR", xscale="log", title=f"{drafters[-1]} K=4 against batch"
     )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "sweeps", stamp)
-    plt.close(fig)
+    out.figure(fig, "sweeps")
 
 
 # --- peers --------------------------------------------------------------------------------------------------
 
 
-def peers(out: Path, quick: bool, stamp: dict, target) -> None:
+def peers(out: harness.Writer, quick: bool, target) -> None:
     import torch
     import transformers
-
-    from specjax.decoding import generate, speculative_generate
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)  # on 2 shared cores, 2 threads ran stories260K's generate ~10x slower
@@ -521,19 +496,14 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     rows = []
     for t in (0.0,) if quick else (0.0, 1.0):
         spec = harness.generate_spec(n, Sampler(t), eos_id=None)
-        reference = [np.asarray(generate(*model, [p], spec).tokens[0]).tolist() for p in prompts]
+        reference = []  # specjax AR's tokens (its row comes first)
         for method, name, settings, hf_kwargs in ours:
             drafter, dparams = (
                 (None, None) if name is None else build(target, name, settings, 4, None, Sampler(t), None)
             )
-            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams)
+            same = reference if name is None else []  # the tokens of the timed runs themselves
+            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams, same)
             tau = 1.0 if name is None else metrics.pooled(stats)["tau"]
-            same = reference
-            if name is not None:
-                same = [
-                    np.asarray(speculative_generate(*model, drafter, dparams, [p], spec).tokens[0]).tolist()
-                    for p in prompts
-                ]
             rows.append(
                 dict(
                     peer="specjax",
@@ -563,8 +533,7 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
                 )
             )
             logging.info("%s", rows[-1])
-    results.write_table(
-        out,
+    out.table(
         "peers",
         rows,
         f"specjax against transformers {transformers.__version__} (PyTorch {torch.__version__}, 1 thread) on the same "
@@ -572,14 +541,13 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
         "transformers' tau = new tokens / target forward passes (its first pass reads the prompt and verifies a draft; "
         "specjax's prefill emits the first token only). same_as_specjax_ar: the fraction of prompts whose greedy "
         "output equals specjax AR's (sampled outputs are not comparable across frameworks).",
-        stamp,
     )
 
 
 # --- systems ------------------------------------------------------------------------------------------------
 
 
-def systems(out: Path, quick: bool, stamp: dict, target) -> None:
+def systems(out: harness.Writer, quick: bool, target) -> None:
     import jax
 
     from specjax.decoding import compile_decode
@@ -611,8 +579,7 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
             | dict(round_over_ar_step=round_ms / ar_step, extra_param_MB=extra / 1e6)
             | dict(target_kv_KB=kv / 1024, draft_state_KB=state / 1024)
         )
-    results.write_table(
-        out,
+    out.table(
         "systems",
         rows,
         f"Systems on stories260K (greedy, batch 1, {n} tokens, float32): compile time of the decode loop, time per "
@@ -622,7 +589,6 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
         "Loop efficiency (model calls / measured round time) is measured where it means something, on the "
         "memory-bound target (`memory_bound_decode`, column loop_eff): on stories260K every call is fixed "
         "overhead.",
-        stamp,
     )
 
 
@@ -673,14 +639,14 @@ def main(argv):
     unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
     if unknown:
         cli.fail(f"unknown --sections {unknown}; choose from {list(SECTIONS)}")
-    out, stamp = Path(FLAGS.results), results.stamp()
+    out = harness.Writer(Path(FLAGS.results), echo=False)
     target = load_model()
     run = {
-        "leviathan": lambda: leviathan(out, FLAGS.quick, stamp),
-        "memory_bound": lambda: memory_bound(out, FLAGS.quick, stamp),
+        "leviathan": lambda: leviathan(out, FLAGS.quick),
+        "memory_bound": lambda: memory_bound(out, FLAGS.quick),
     }
     run |= {
-        name: (lambda f=f: f(out, FLAGS.quick, stamp, target))
+        name: (lambda f=f: f(out, FLAGS.quick, target))
         for name, f in (
             ("main", main_table),
             ("heads", head_tables),

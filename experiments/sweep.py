@@ -19,6 +19,7 @@ ignored (every setting emits --max_new_tokens a prompt).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -133,8 +134,9 @@ class Runner:
         return self.models[s.model_key]
 
     def build(self, s: Setting, ar: bool):
-        """(a function decoding the setting's prompts once and returning the outputs, new tokens)."""
-        key = ("ar", s.ar_key) if ar else ("spec", s.key)
+        """(run(seed) decoding the setting's prompts once and returning the outputs, new tokens, drafter); the
+        programs do not depend on the seed."""
+        key = ("ar", tuple(kv for kv in s.ar_key if kv[0] != "seed")) if ar else ("spec", s.key)
         if key not in self.runs:
             from specjax.decoding import compile_decode
             from specjax.models.quantize import quantize_loaded
@@ -152,7 +154,7 @@ class Runner:
                         target.cfg, target.graphdef, target.params, g, s.spec, drafter, dparams, bucket
                     )[0]
 
-            def run(seed=s.seed):
+            def run(seed):
                 return [
                     jax.block_until_ready(compiled[len(g)](g, seed=seed + i)) for i, g in enumerate(groups)
                 ]
@@ -177,9 +179,9 @@ def sweep(axes, passthrough: list[str], repeats: int) -> tuple[list[dict], dict]
         try:
             s.check()
             ar = runner.build(s, ar=True)
-            fns[("ar", s.ar_key)] = ar[0]
+            fns[("ar", s.ar_key)] = functools.partial(ar[0], s.seed)
             built[i] = ar if s.plan is None else runner.build(s, ar=False)
-            fns[i] = built[i][0]
+            fns[i] = functools.partial(built[i][0], s.seed)
         except Exception as err:  # a user's bad setting: its row carries the error, the others run
             if cli.debug():
                 raise

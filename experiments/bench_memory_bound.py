@@ -152,14 +152,20 @@ def pass_loop(step, params, cache, b: int, t: int, calls: int):
 
         return jax.lax.fori_loop(0, calls, body, (jnp.ones((b, t), jnp.int32), c))[0]
 
-    compiled = loop.lower(params).compile()
+    with harness.matmul_scope(params):
+        compiled = loop.lower(params).compile()
     return lambda: jax.block_until_ready(compiled(params))
 
 
 def as_decoded(rows: int, plain, in_out):
-    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it on one CPU: linear
-    layers stored [out, in] for one row, [in, out] (`in_out`) for several."""
-    return plain if rows == 1 else in_out
+    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: on one CPU, linear
+    layers stored [out, in] for one row, [in, out] (`in_out`) for several; elsewhere always [out, in]."""
+    return plain if rows == 1 or jax.default_backend() != "cpu" else in_out
+
+
+def on_cpu_in_out(graphdef, params):
+    """The [in, out] copy of the target `as_decoded` uses on one CPU (None elsewhere: no second copy)."""
+    return in_out_layout(graphdef, params) if jax.default_backend() == "cpu" else None
 
 
 def model_step(graphdef):
@@ -189,7 +195,8 @@ def medusa_loop(graphdef, params, b: int, dim: int, calls: int):
 
         return jax.lax.fori_loop(0, calls, body, jnp.ones((b, dim), jnp.float32))
 
-    compiled = loop.lower(params).compile()
+    with harness.matmul_scope(params):
+        compiled = loop.lower(params).compile()
     return lambda: jax.block_until_ready(compiled(params))
 
 
@@ -332,7 +339,7 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
     cfg, graphdef, params = target
     size, half = CURVE_CACHE, half_cache
-    in_out = in_out_layout(graphdef, params)
+    in_out = on_cpu_in_out(graphdef, params)
     fns = {}
     nbytes, readers = bandwidth_fns(settings.bandwidth_mb)
     fns |= {f"read {name}": fn for name, fn in readers.items()}
@@ -356,7 +363,7 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
-    small_in_out = in_out_layout(small.graphdef, small.params)
+    small_in_out = on_cpu_in_out(small.graphdef, small.params)
     for t in settings.curve:
         g, p = as_decoded(t, (small.graphdef, small.params), small_in_out)
         fns[("stories260K", 1, t)] = pass_loop(model_step(g), p, half(small.cfg, 1), 1, t, settings.calls)
@@ -668,7 +675,7 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     cfg, graphdef, params = target
     groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
     width = prompt_width(list(groups.values()))
-    fns, in_out = {}, in_out_layout(graphdef, params)
+    fns, in_out = {}, on_cpu_in_out(graphdef, params)
     for b in settings.sweep_batches:
         for t in (1, chain_k + 1, width):
             g, p = as_decoded(b * t, (graphdef, params), in_out)

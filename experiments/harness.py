@@ -173,6 +173,19 @@ def precision() -> str:
     return flags.FLAGS.matmul_precision if "matmul_precision" in flags.FLAGS else "dtype"
 
 
+def matmul_scope(params):
+    """The run's --matmul_precision around a program traced outside a GenerateSpec (a timing loop); with `dtype`
+    the model's own rule applies (`specjax.precision.follows_params`)."""
+    import contextlib
+
+    from specjax import precision as policy
+
+    choice = precision()
+    return (
+        contextlib.nullcontext() if choice == "dtype" else policy.scope(choice, policy.params_dtype(params))
+    )
+
+
 def generate_spec(*args, **kwargs):
     """`GenerateSpec(*args, **kwargs)` with the run's matrix-product precision (where GenerateSpec has it)."""
     from specjax.decoding import GenerateSpec

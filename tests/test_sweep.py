@@ -82,7 +82,9 @@ def test_device_plan_sizes():
     from specjax.models.config import LlamaConfig
 
     gpu = device_check.plan("gpu", 80e9, "device")
-    cfg = gpu.expansion.config(LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, hidden_dim=172, vocab_size=512))
+    cfg = gpu.expansion.config(
+        LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, hidden_dim=172, vocab_size=512)
+    )
     assert cfg.num_params >= 1e9 and gpu.ar_shapes == ("llama-110M", "llama-1B")
     assert gpu.memory.temperatures == (0.0, 1.0) and len(gpu.memory.kinds) == 12
     small = device_check.plan("gpu", 16e9, "device").expansion  # a tenth of the memory for the weights

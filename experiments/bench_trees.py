@@ -38,6 +38,8 @@ TREES = [
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.repeats < 1:  # before anything loads or compiles
+        raise cli.UsageError(f"repeats={FLAGS.repeats} times nothing; pass --repeats=1 or more")
     target = load_model()
     cfg, graphdef, params = target.cfg, target.graphdef, target.params
     dcfg, dgraphdef, dparams = truncated_target(cfg, params, FLAGS.draft_layers)

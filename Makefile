@@ -47,3 +47,12 @@ heads: $(VENV)/.base
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done
+
+# On a machine with an accelerator (JAX with CUDA or TPU, torch, transformers installed; no venv is made): the test
+# suite there, then AR against transformers (bfloat16, 110M and 1B) and the memory-bound benchmark sized from the
+# device (float32 and bfloat16, T=0 and 1) into results/device_*.{md,csv}, stamped with the device.
+#   make device-check PYTHON=/path/to/python
+.PHONY: device-check
+device-check:
+	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(PYTHON) -m experiments.device_check

@@ -16,14 +16,17 @@ import numpy as np
 import torch
 from absl import flags, logging
 
-from experiments.common import SHAPES, interleaved_medians, random_hf_model, read_bandwidth_gbs, write_table
+from experiments import harness
+from experiments.common import SHAPES, random_hf_model, read_bandwidth_gbs
+from experiments.harness import interleaved_medians, write_table
 from specjax import cli
-from specjax.decoding import GenerateSpec, compile_decode
+from specjax.decoding import compile_decode
 from specjax.models.loading import load_model
 
 flags.DEFINE_integer("repeats", 5, "Timed runs per system (median reported).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_list("models", ["stories260K", "llama-15M", "llama-110M"], "Models to run.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 PROMPT = "Once upon a time, there was a little"
 
@@ -34,7 +37,7 @@ def bench(name: str, model_dir: Path, bandwidth: float) -> dict:
     model = load_model(str(model_dir))
     prompt = model.tokenizer.encode(PROMPT) if name == "stories260K" else [1] + list(range(300, 308))
     n = FLAGS.new_tokens
-    spec = GenerateSpec(n, eos_id=None)
+    spec = harness.generate_spec(n, eos_id=None)
     run, compile_s = compile_decode(model.cfg, model.graphdef, model.params, [prompt], spec)
     ours = np.asarray(run([prompt]).tokens[0])
 

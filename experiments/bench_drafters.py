@@ -32,9 +32,9 @@ import torch
 import transformers
 from absl import flags, logging
 
-from experiments import common
+from experiments import common, harness
 from specjax import cli
-from specjax.decoding import GenerateSpec, compile_decode
+from specjax.decoding import compile_decode
 from specjax.drafters import registry
 from specjax.drafters.ngram import NGram
 from specjax.drafters.retrieval import Retrieval
@@ -53,11 +53,12 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("corpus_tokens", 65_536, "Tokens in the retrieval drafter's datastore.")
 flags.DEFINE_bool("smoke", False, "A quick run: 2 prompts, 16 tokens, T = 1, two settings, one repetition.")
-flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
-FREE = common.STORY_OPENINGS
-GROUNDED = common.GROUNDED
+FREE = harness.STORY_OPENINGS
+GROUNDED = harness.GROUNDED
 CHAIN_DEFAULT = (1, 3)  # n range of the chains with K in 2, 4, 8
 
 
@@ -121,7 +122,7 @@ def spec_rows(target, prompts, grounded, spec, settings) -> list[dict]:
     stats = {i: [] for i in range(len(settings))}
     for p in prompts:
         fns = {name: (lambda r=run: jax.block_until_ready(r([p]))) for name, run in runs.items()}
-        for name, t in common.interleaved_medians(fns, FLAGS.repeats).items():
+        for name, t in harness.interleaved_medians(fns, FLAGS.repeats).items():
             seconds[name] += t
         for i in stats:
             stats[i].append(jax.block_until_ready(runs[i]([p])).stats)
@@ -156,7 +157,7 @@ def main(argv):
     smoke = FLAGS.smoke
     if smoke:
         FLAGS.repeats, FLAGS.hf_repeats, FLAGS.new_tokens, FLAGS.temperatures = 1, 1, 16, ["1"]
-    common.RESULTS = Path(FLAGS.results)  # where write_table writes
+    harness.RESULTS = Path(FLAGS.results)  # where write_table writes
     target = load_model()
     texts = [(t, True) for t in GROUNDED] + [(t, False) for t in FREE]
     if smoke:
@@ -168,7 +169,7 @@ def main(argv):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval() if FLAGS.hf else None
     n, rows = FLAGS.new_tokens, []
     for temperature in map(float, FLAGS.temperatures):
-        spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
+        spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
         block = spec_rows(target, prompts, grounded, spec, drafters)
         for row, setting in zip(block, [None, *drafters]):
             d = setting and setting.ngram
@@ -199,7 +200,7 @@ def main(argv):
         f"new tokens, float32, CPU, medians of {FLAGS.repeats} (transformers {FLAGS.hf_repeats}); "
         "draft_eff = accepted / (rounds x depth); hf_tau = new tokens / target passes"
     )
-    print(common.write_table("bench_drafters_smoke" if smoke else "bench_drafters", rows, title))
+    print(harness.write_table("bench_drafters_smoke" if smoke else "bench_drafters", rows, title))
 
 
 if __name__ == "__main__":

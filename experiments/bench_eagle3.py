@@ -11,15 +11,14 @@ results/bench_eagle3{,_vocab}.{md,csv}.
 
 from pathlib import Path
 
-import jax
-import numpy as np
 from absl import flags, logging
 
-from experiments.common import HEAD_PROMPTS as PROMPTS
-from experiments.common import decode_seconds, write_table
+from experiments import harness
+from experiments.common import decode_seconds
+from experiments.harness import HEAD_PROMPTS as PROMPTS
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec
-from specjax.metrics import summarize
+from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import parse_tree
@@ -35,6 +34,7 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per configuration (median).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("prompts", len(PROMPTS), "How many of the 20 prompts.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 
@@ -61,11 +61,11 @@ def rows_for(target, label, workdir, prompts, samplers, ar_seconds, trees):
         k, tree = shape_of(text)
         for sampler in samplers:
             drafter = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
-            spec = GenerateSpec(FLAGS.new_tokens, sampler, eos_id=None)
+            spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
             seconds, stats = decode_seconds(
                 cfg, target.graphdef, target.params, prompts, spec, FLAGS.repeats, drafter, dparams
             )
-            m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))  # all prompts together
+            m = pooled(stats)  # all prompts together
             rows.append(
                 dict(
                     head=label(meta),
@@ -94,7 +94,7 @@ def main(argv):
             target.graphdef,
             target.params,
             prompts,
-            GenerateSpec(FLAGS.new_tokens, s, eos_id=None),
+            harness.generate_spec(FLAGS.new_tokens, s, eos_id=None),
             FLAGS.repeats,
         )[0]
         for s in samplers

@@ -9,17 +9,15 @@ side in one run (batch 1, medians). Writes results/bench_heads_{accuracy,decode}
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
-from experiments.common import decode_seconds, write_table
+from experiments import common, harness
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec, generate
+from specjax.decoding import generate
 from specjax.drafters import registry
-from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, medusa_like
@@ -33,9 +31,10 @@ flags.DEFINE_integer("draft_layers", 2, "Layers of the truncated-target draft mo
 flags.DEFINE_integer("repeats", 3, "Timed runs per configuration (median).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
-PROMPTS = common.HEAD_PROMPTS
+PROMPTS = harness.HEAD_PROMPTS
 
 
 def main(argv):
@@ -51,7 +50,7 @@ def main(argv):
     }
 
     # Table 1 on the greedy continuations (cut to the shortest prompt + n tokens).
-    greedy = generate(cfg, graphdef, params, prompts, GenerateSpec(n, eos_id=None))
+    greedy = generate(cfg, graphdef, params, prompts, harness.generate_spec(n, eos_id=None))
     width = min(map(len, prompts)) + n
     sequences = jnp.asarray(
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
@@ -88,35 +87,20 @@ def main(argv):
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         sampler = Sampler(temperature)
-        spec = GenerateSpec(n, sampler, eos_id=None)
-        ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
-        rows.append(
-            dict(
-                drafter="none (AR)",
-                draft="-",
-                T=temperature,
-                tau=1.0,
-                draft_eff=float("nan"),
-                tok_s=len(prompts) * n / ar_s,
-                speedup=1.0,
-            )
-        )
-        for (name, settings), shape, k, tree in configs:
-            entry = registry.get(name)
-            drafter, dp = entry.build(target, entry.settings(**settings), k, tree, sampler)
-            spec_s, stats = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dp)
-            m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))  # all prompts together
-            rows.append(
-                dict(
-                    drafter=label[name],
-                    draft=shape,
-                    T=temperature,
-                    tau=m["tau"],
-                    draft_eff=m["draft_efficiency"],
-                    tok_s=len(prompts) * n / spec_s,
-                    speedup=ar_s / spec_s,
+        spec = harness.generate_spec(n, sampler, eos_id=None)
+
+        def drafters():
+            for (name, settings), shape, k, tree in configs:
+                entry = registry.get(name)
+                yield (
+                    (label[name], shape),
+                    *entry.build(target, entry.settings(**settings), k, tree, sampler),
                 )
-            )
+
+        model = (cfg, graphdef, params)
+        for key, _, r in common.versus_ar(model, prompts, spec, FLAGS.repeats, drafters()):
+            drafter, draft = key or ("none (AR)", "-")
+            rows.append(dict(drafter=drafter, draft=draft, T=temperature) | r)
             print(rows[-1], flush=True)
     title = (
         f"Drafting heads vs a draft model on stories260K: batch 1, {len(prompts)} prompts x {n} new tokens, "

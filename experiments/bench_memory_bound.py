@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -49,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
+from experiments import common, harness
 from specjax import cli, heads
 from specjax.analysis import expected_tokens_per_round
 from specjax.models import expand
@@ -58,16 +57,7 @@ from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import Chain, DynamicTree, medusa_like
 
-PROMPTS = [
-    "Once upon a time",
-    "Tom and his dog went to the",
-    "Lily wanted to",
-    "One day, a big bear",
-    "The sun was hot and the",
-    "Sam had a red ball.",
-    "There was a small bird who",
-    "Ben and Mia were best friends.",
-]
+PROMPTS = harness.MEMORY_PROMPTS
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 KINDS = (
     "draft model",
@@ -115,6 +105,8 @@ class Settings:
     sweep_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # AR against EAGLE-3's chain, greedy
     datastore_tokens: int = 65_536  # the retrieval drafter's datastore (`common.story_datastore`)
     name: str = "bench_memory_bound"
+    dtype: str = "float32"  # of the target, its expansion and the drafters built from them
+    sweeps: bool = True  # the K and batch tables
 
 
 SMOKE = Settings(
@@ -160,14 +152,20 @@ def pass_loop(step, params, cache, b: int, t: int, calls: int):
 
         return jax.lax.fori_loop(0, calls, body, (jnp.ones((b, t), jnp.int32), c))[0]
 
-    compiled = loop.lower(params).compile()
+    with harness.matmul_scope(params):
+        compiled = loop.lower(params).compile()
     return lambda: jax.block_until_ready(compiled(params))
 
 
 def as_decoded(rows: int, plain, in_out):
-    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it on one CPU: linear
-    layers stored [out, in] for one row, [in, out] (`in_out`) for several."""
-    return plain if rows == 1 else in_out
+    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: on one CPU, linear
+    layers stored [out, in] for one row, [in, out] (`in_out`) for several; elsewhere always [out, in]."""
+    return plain if rows == 1 or jax.default_backend() != "cpu" else in_out
+
+
+def on_cpu_in_out(graphdef, params):
+    """The [in, out] copy of the target `as_decoded` uses on one CPU (None elsewhere: no second copy)."""
+    return in_out_layout(graphdef, params) if jax.default_backend() == "cpu" else None
 
 
 def model_step(graphdef):
@@ -197,22 +195,14 @@ def medusa_loop(graphdef, params, b: int, dim: int, calls: int):
 
         return jax.lax.fori_loop(0, calls, body, jnp.ones((b, dim), jnp.float32))
 
-    compiled = loop.lower(params).compile()
+    with harness.matmul_scope(params):
+        compiled = loop.lower(params).compile()
     return lambda: jax.block_until_ready(compiled(params))
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
-    """{name: [seconds per repetition]}: one warm-up each, then the functions in turn, `repeats` times (the
-    times of one repetition saw the same machine; ratios are taken within a repetition)."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
+    """{name: [seconds per repetition]}: the functions in turn, no settling call (`harness.interleaved_times`)."""
+    return harness.interleaved_times(fns, repeats, settle=False)
 
 
 def bandwidth_fns(mbytes: int) -> tuple[int, dict]:
@@ -273,7 +263,7 @@ def load(settings: Settings):
     the expanded heads, the expansion's int8 copy and the retrieval datastore, where `settings.kinds` uses them."""
     from specjax.models.quantize import Quantization, quantize_model
 
-    small = load_model()
+    small = load_model(None, settings.dtype)
     e = settings.expansion
     cfg, graphdef, params = expand.expand(small.cfg, small.params, e)
     draft = expand.truncated_original(cfg, params, e, small.cfg.n_layers, settings.draft_layers)
@@ -314,17 +304,17 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
 
 
 def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None, bucket: int = 32):
-    from specjax.decoding import GenerateSpec, compile_decode
+    from specjax.decoding import compile_decode
 
     cfg, graphdef, params = target
-    spec = GenerateSpec(eos_id=None, **spec_kw)
+    spec = harness.generate_spec(eos_id=None, **spec_kw)
     run, _ = compile_decode(cfg, graphdef, params, prompts, spec, drafter, dparams, bucket=bucket)
     return run
 
 
 def pilot_taus(settings: Settings, small, loaded) -> dict:
     """EAGLE's tau on stories260K itself (greedy, batch 1) for each candidate chain K and dynamic tree."""
-    from specjax.decoding import GenerateSpec, speculative_generate
+    from specjax.decoding import speculative_generate
     from specjax.metrics import summarize
 
     prompts = [small.tokenizer.encode(p) for p in PROMPTS[:2]]
@@ -336,7 +326,7 @@ def pilot_taus(settings: Settings, small, loaded) -> dict:
     for k, tree in shapes:
         drafter, dp = make_drafter("eagle", target, None, loaded, k, tree, Sampler(), which="small")
         gen = speculative_generate(
-            *target, drafter, dp, prompts, GenerateSpec(settings.pilot_tokens, eos_id=None)
+            *target, drafter, dp, prompts, harness.generate_spec(settings.pilot_tokens, eos_id=None)
         )
         taus[(k, tree)] = summarize(gen.stats)["tau"]
     return taus
@@ -349,7 +339,7 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
     cfg, graphdef, params = target
     size, half = CURVE_CACHE, half_cache
-    in_out = in_out_layout(graphdef, params)
+    in_out = on_cpu_in_out(graphdef, params)
     fns = {}
     nbytes, readers = bandwidth_fns(settings.bandwidth_mb)
     fns |= {f"read {name}": fn for name, fn in readers.items()}
@@ -373,7 +363,7 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
-    small_in_out = in_out_layout(small.graphdef, small.params)
+    small_in_out = on_cpu_in_out(small.graphdef, small.params)
     for t in settings.curve:
         g, p = as_decoded(t, (small.graphdef, small.params), small_in_out)
         fns[("stories260K", 1, t)] = pass_loop(model_step(g), p, half(small.cfg, 1), 1, t, settings.calls)
@@ -477,71 +467,61 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
 
 def run(settings: Settings, results: str | None = None) -> dict:
     """Runs the benchmark; returns {table name: rows} and writes each table."""
-    if results:
-        common.RESULTS = Path(results)
+    out = harness.Writer(Path(results) if results else harness.RESULTS)
     small, target, draft_model, loaded = load(settings)
     cfg = target[0]
     machine, curve_rows, curves, costs, bw = measure_curve(settings, small, target, draft_model, loaded)
-    print(common.write_table(f"{settings.name}_machine", [machine], "Machine, measured in this run"))
-    print(
-        common.write_table(
-            f"{settings.name}_curve",
-            curve_rows,
-            f"One target pass over T new tokens (cache of 192 slots, 96 committed; fastest of "
-            f"{max(settings.repeats, 5)} timed loops of {settings.calls}): ms, relative to T = 1, the "
-            f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
-            f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
-        )
+    out.table(f"{settings.name}_machine", [machine], "Machine, measured in this run")
+    out.table(
+        f"{settings.name}_curve",
+        curve_rows,
+        f"One target pass over T new tokens (cache of 192 slots, 96 committed; fastest of "
+        f"{max(settings.repeats, 5)} timed loops of {settings.calls}): ms, relative to T = 1, the "
+        f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
+        f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
     )
     c_eagle = costs[("eagle", 1)] / curves[1][1]
     taus = pilot_taus(settings, small, loaded)
     pilot, chain_k, dynamic = choose_shapes(settings, taus, curves[1], c_eagle)
-    print(
-        common.write_table(
-            f"{settings.name}_pilot",
-            pilot,
-            f"EAGLE shapes: tau on stories260K (greedy, 2 prompts x {settings.pilot_tokens} tokens), verify "
-            f"cost v from the curve, predicted speedup tau / (depth x c + v), c = {c_eagle:.3f}",
-        )
+    out.table(
+        f"{settings.name}_pilot",
+        pilot,
+        f"EAGLE shapes: tau on stories260K (greedy, 2 prompts x {settings.pilot_tokens} tokens), verify "
+        f"cost v from the curve, predicted speedup tau / (depth x c + v), c = {c_eagle:.3f}",
     )
     n_medusa = loaded["medusa"]["big"][0]["shape"]["num_heads"]
     rows = decode_rows(
         settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
     )
     title = (
-        f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB float32: "
-        f"synthetic cost, real distribution), {settings.prompts} prompts x {settings.new_tokens} new tokens, "
-        f"medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token pass, "
-        "predicted = E / (calls x c + v)"
+        f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB "
+        f"{cfg.dtype}: synthetic cost, real distribution), {settings.prompts} prompts x {settings.new_tokens} new "
+        f"tokens, medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token "
+        "pass, predicted = E / (calls x c + v)"
     )
-    print(common.write_table(f"{settings.name}_decode", rows, title))
+    out.table(f"{settings.name}_decode", rows, title)
+    if not settings.sweeps:
+        return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows)
     ks = k_sweep(settings, small, target, loaded, curves, costs)
     title = (
         f"EAGLE-3's chain against K on the expanded target (greedy, batch 1, {settings.prompts} prompts x "
         f"{settings.new_tokens} tokens, medians of {settings.repeats}): predicted = E(a, K) / (K c + v(K + 1)); "
         "analytic_optimum: the K maximising it at the sweep's mean a"
     )
-    print(common.write_table(f"{settings.name}_k", ks, title))
+    out.table(f"{settings.name}_k", ks, title)
     batches = batch_sweep(settings, small, target, loaded, chain_k)
     title = (
         f"Batch size on the expanded target: AR against EAGLE-3's chain K={chain_k} (greedy, "
         f"{max(settings.new_tokens // 2, 1)} tokens a row, medians of {settings.repeats}); c and v measured at "
         "each batch; speedup < 1 where a batched target pass is no longer nearly free"
     )
-    print(common.write_table(f"{settings.name}_batch", batches, title))
-    return {
-        "machine": [machine],
-        "curve": curve_rows,
-        "pilot": pilot,
-        "decode": rows,
-        "k": ks,
-        "batch": batches,
-    }
+    out.table(f"{settings.name}_batch", batches, title)
+    return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows, k=ks, batch=batches)
 
 
 def jobs(settings: Settings) -> list[tuple]:
     """(category, batch, temperature, prompt texts, new tokens) of the decode table: free continuation at every
-    batch and temperature; input-grounded retelling (`common.GROUNDED`) and long generation (3x the tokens) at
+    batch and temperature; input-grounded retelling (`harness.GROUNDED`) and long generation (3x the tokens) at
     batch 1, greedy, for the rows in `settings.category_kinds`."""
     out = []
     for b in settings.batches:
@@ -549,7 +529,7 @@ def jobs(settings: Settings) -> list[tuple]:
         out += [("free", b, t, (PROMPTS * n)[:n], settings.new_tokens) for t in settings.temperatures]
     if "grounded" in settings.categories:
         out.append(
-            ("grounded", 1, 0.0, common.GROUNDED[: max(settings.prompts // 2, 1)], settings.new_tokens)
+            ("grounded", 1, 0.0, harness.GROUNDED[: max(settings.prompts // 2, 1)], settings.new_tokens)
         )
     if "long" in settings.categories:
         out.append(("long", 1, 0.0, PROMPTS[: max(settings.prompts // 4, 1)], 3 * settings.new_tokens))
@@ -565,7 +545,7 @@ def decoding_speedup(ar: list[float], spec: list[float], prefill_s: float) -> fl
     """Median over repetitions of AR's time / the speculative run's time, both less `prefill_s` (the jobs'
     prefill passes, the same for both): the decoding phase, which speculation speeds up and the per-round
     prediction describes. The end-to-end ratio is diluted towards 1 by the shared prefill."""
-    return statistics.median((x - prefill_s) / (y - prefill_s) for x, y in zip(ar, spec))
+    return harness.ratio(ar, spec, prefill_s)
 
 
 def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
@@ -645,7 +625,7 @@ def decode_rows(
                 base
                 | dict(method=method, draft=desc, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
                 | dict(tok_s=len(prompts) * new_tokens / spec_s)
-                | dict(speedup=statistics.median(x / y for x, y in zip(ar, spec)), decode_speedup=decoding)
+                | dict(speedup=harness.ratio(ar, spec), decode_speedup=decoding)
                 | dict(predicted=predicted, measured_over_predicted=decoding / predicted, of_floor=nan)
                 | dict(loop_eff=loop_efficiency(calls * c * one, v * one, round_s))
             )
@@ -675,7 +655,7 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
         a = m["acceptance_rate"]
         rows.append(
             dict(K=k, tau=m["tau"], a=a, c=c, v=cost(k) - k * c)
-            | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times[k])))
+            | dict(speedup=harness.ratio(times["AR"], times[k]))
             | dict(decode_speedup=decoding_speedup(times["AR"], times[k], prefill_s))
             | dict(predicted=expected_tokens_per_round(a, k) / cost(k))
         )
@@ -695,7 +675,7 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     cfg, graphdef, params = target
     groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
     width = prompt_width(list(groups.values()))
-    fns, in_out = {}, in_out_layout(graphdef, params)
+    fns, in_out = {}, on_cpu_in_out(graphdef, params)
     for b in settings.sweep_batches:
         for t in (1, chain_k + 1, width):
             g, p = as_decoded(b * t, (graphdef, params), in_out)
@@ -712,7 +692,7 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
             dict(batch=b, K=chain_k, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
             | dict(ar_tok_s=b * n / statistics.median(times["AR"]))
             | dict(spec_tok_s=b * n / statistics.median(times["eagle3"]))
-            | dict(speedup=statistics.median(x / y for x, y in zip(times["AR"], times["eagle3"])))
+            | dict(speedup=harness.ratio(times["AR"], times["eagle3"]))
             | dict(
                 decode_speedup=decoding_speedup(
                     times["AR"], times["eagle3"], cost[(b, width)] / settings.calls
@@ -735,7 +715,9 @@ def define_flags() -> None:
     flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
     flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
     flags.DEFINE_list("kinds", None, f"Drafter rows (default all: {', '.join(KINDS)}).")
-    flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+    flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the target.")
+    harness.define_precision_flag()
 
 
 FLAGS = flags.FLAGS
@@ -752,6 +734,7 @@ def main(argv):
         "batches": FLAGS.batches and tuple(map(int, FLAGS.batches)),
         "temperatures": FLAGS.temperatures and tuple(map(float, FLAGS.temperatures)),
         "kinds": FLAGS.kinds and tuple(FLAGS.kinds),
+        "dtype": FLAGS.dtype,
     }
     unknown = set(FLAGS.kinds or ()) - set(KINDS)
     if unknown:

@@ -15,14 +15,13 @@ requests (subjects absent from training), at T=0 and T=1 on the same draft tree.
 import runpy
 from pathlib import Path
 
-import jax
-import numpy as np
 from absl import flags, logging
 
-from experiments.common import decode_seconds, write_table
+from experiments import harness
+from experiments.common import decode_seconds
+from experiments.harness import write_table
 from specjax import cli, heads
-from specjax.decoding import GenerateSpec
-from specjax.metrics import summarize
+from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.training import chat, regenerate, trainer
@@ -59,6 +58,7 @@ flags.DEFINE_integer("steps", 600, "Training steps of each head (same batch and 
 flags.DEFINE_string("tree", "dynamic:8,6,48", "Draft tree of the evaluation.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Evaluation temperatures (0 = greedy).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per held-out request.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 
@@ -123,9 +123,9 @@ def main(argv):
         for t in FLAGS.temperatures:
             sampler = Sampler(float(t))
             drafter = heads.make_drafter(meta, graphdef, target.cfg, tree.depth, sampler, tree)
-            spec = GenerateSpec(FLAGS.new_tokens, sampler, eos_id=None)
+            spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
             _, stats = decode_seconds(*model, prompts, spec, 1, drafter, dparams)
-            m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))
+            m = pooled(stats)
             alphas = {f"alpha_{i + 1}": a for i, a in enumerate(m["alpha"])}
             rows.append(dict(data=label, T=sampler.temperature, tau=m["tau"], **alphas))
             print(rows[-1], flush=True)

@@ -28,17 +28,12 @@ import torch
 import transformers
 from absl import flags, logging
 
-from experiments.common import (
-    SHAPES,
-    interleaved_times,
-    median_time,
-    per_call_loop,
-    random_hf_model,
-    write_table,
-)
+from experiments import harness
+from experiments.common import SHAPES, per_call_loop, random_hf_model
+from experiments.harness import interleaved_times, median_time, write_table
 from specjax import cli
 from specjax.analysis import expected_speedup
-from specjax.decoding import GenerateSpec, compile_decode, prepare_speculative
+from specjax.decoding import compile_decode, prepare_speculative
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
 from specjax.models.config import LlamaConfig
@@ -60,6 +55,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_bool("hf", True, "Also time transformers' assisted generation.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 PROMPT = "Once upon a time, there was a little"
 RANDOM_DRAFT = {
@@ -120,7 +116,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         sampler = Sampler(temperature)
-        spec = GenerateSpec(n, sampler, eos_id=None)
+        spec = harness.generate_spec(n, sampler, eos_id=None)
         ar_run, _ = compile_decode(cfg, target.graphdef, target.params, [prompt], spec)
         ar_s = median_time(lambda: jax.block_until_ready(ar_run([prompt])), FLAGS.repeats)
         hf_ar_s = hf_generate_seconds(hf_target, None, ids, n, 0, temperature) if FLAGS.hf else np.nan
@@ -165,7 +161,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                     target.graphdef,
                     target.params,
                     [prompt],
-                    GenerateSpec(1, sampler, size, eos_id=None),
+                    harness.generate_spec(1, sampler, size, eos_id=None),
                     drafter,
                     dparams,
                 )

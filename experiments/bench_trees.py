@@ -6,15 +6,13 @@ Per tree and temperature: tau, verify-pass cost relative to a 1-token pass, toke
 side by side in one run. Writes results/bench_trees.{md,csv}.
 """
 
-import jax
-import numpy as np
 from absl import flags, logging
 
-from experiments.common import decode_seconds, per_call_seconds, write_table
+from experiments import harness
+from experiments.common import per_call_seconds, versus_ar
+from experiments.harness import write_table
 from specjax import cli
-from specjax.decoding import GenerateSpec
 from specjax.drafters.draft_model import DraftModel, truncated_target
-from specjax.metrics import summarize
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.trees import PRESETS, DynamicTree
@@ -23,6 +21,7 @@ flags.DEFINE_integer("draft_layers", 3, "Layers of the truncated-target draft (s
 flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 PROMPTS = ["Once upon a time, there was a little", "Tom and his dog went to the", "Lily wanted to"]
 TREES = [
@@ -39,6 +38,8 @@ TREES = [
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.repeats < 1:  # before anything loads or compiles
+        raise cli.UsageError(f"repeats={FLAGS.repeats} times nothing; pass --repeats=1 or more")
     target = load_model()
     cfg, graphdef, params = target.cfg, target.graphdef, target.params
     dcfg, dgraphdef, dparams = truncated_target(cfg, params, FLAGS.draft_layers)
@@ -46,38 +47,24 @@ def main(argv):
     n, rows = FLAGS.new_tokens, []
     one_token = per_call_seconds(cfg, graphdef, params, 1, 256, FLAGS.repeats)
     for temperature in map(float, FLAGS.temperatures):
-        spec = GenerateSpec(n, Sampler(temperature), eos_id=None)
-        ar_s, _ = decode_seconds(cfg, graphdef, params, prompts, spec, FLAGS.repeats)
-        rows.append(
-            dict(
-                tree="none (AR)",
-                nodes=1,
-                T=temperature,
-                tau=1.0,
-                verify_cost=1.0,
-                tok_s=len(prompts) * n / ar_s,
-                speedup=1.0,
+        spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
+        drafters = (
+            (
+                name,
+                DraftModel(dcfg, dgraphdef, 4 if tree is None else tree.depth, Sampler(temperature), tree),
+                dparams,
             )
+            for name, tree in TREES
         )
-        for name, tree in TREES:
-            k = 4 if tree is None else tree.depth
-            drafter = DraftModel(dcfg, dgraphdef, k, Sampler(temperature), tree)
-            spec_s, stats = decode_seconds(
-                cfg, graphdef, params, prompts, spec, FLAGS.repeats, drafter, dparams
+        for name, drafter, r in versus_ar((cfg, graphdef, params), prompts, spec, FLAGS.repeats, drafters):
+            nodes = 1 if drafter is None else drafter.shape.size
+            verify = (
+                drafter and per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
             )
-            tau = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats))["tau"]  # all prompts
-            nodes = drafter.shape.size
-            verify = per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
             rows.append(
-                dict(
-                    tree=name,
-                    nodes=nodes,
-                    T=temperature,
-                    tau=tau,
-                    verify_cost=verify,
-                    tok_s=len(prompts) * n / spec_s,
-                    speedup=ar_s / spec_s,
-                )
+                dict(tree=name or "none (AR)", nodes=nodes, T=temperature, tau=r["tau"])
+                | dict(verify_cost=verify or 1.0)
+                | dict(tok_s=r["tok_s"], speedup=r["speedup"])
             )
             print(rows[-1], flush=True)
     title = (

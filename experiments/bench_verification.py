@@ -38,15 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
+from experiments import harness
 from specjax import acceptance, cli
 from specjax.acceptance.block import block_weights
 from specjax.acceptance.rejection import acceptance_probs
-from specjax.decoding import AdaptiveK, GenerateSpec, compile_decode, prepare_speculative
+from specjax.decoding import AdaptiveK, compile_decode, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.decoding.speculative import calibrate
 from specjax.drafters import registry
-from specjax.metrics import summarize
+from specjax.metrics import pooled, summarize
 from specjax.models.llama import forward
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -92,14 +92,15 @@ flags.DEFINE_integer(
 flags.DEFINE_bool(
     "smoke", False, "A quick run: Medusa at T=1, 2 prompts, 16 tokens, one repetition, no AR."
 )
-flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables.")
+flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 # Drafter settings beside the registry's defaults: the default draft model (the target truncated to 1 of its 5
 # layers) is accepted about 1% of the time on stories260K, too rarely to compare rules; 3 layers are accepted.
 SETTINGS = {"draft_model": {"draft_layers": 3}}
 
-PROMPTS = common.STORY_OPENINGS
+PROMPTS = harness.STORY_OPENINGS
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "cache_size"))
@@ -171,17 +172,17 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     bucket = -(-max(map(len, prompts)) // 8) * 8
     runs = {}
     for rule in rules:
-        spec = GenerateSpec(n, sampler, eos_id=None, acceptance=rule)
+        spec = harness.generate_spec(n, sampler, eos_id=None, acceptance=rule)
         runs[rule.name] = compile_decode(
             cfg, graphdef, params, prompts[:1], spec, drafter, dparams, bucket
         )[0]
     if with_ar:
-        spec = GenerateSpec(n, sampler, eos_id=None)
+        spec = harness.generate_spec(n, sampler, eos_id=None)
         runs["ar"] = compile_decode(cfg, graphdef, params, prompts[:1], spec, bucket=bucket)[0]
     seconds, stats, samples = dict.fromkeys(runs, 0.0), {r.name: [] for r in rules}, []
     for i, p in enumerate(prompts):
         fns = {name: (lambda r=run: jax.block_until_ready(r([p], i))) for name, run in runs.items()}
-        for rule_name, t in common.interleaved_medians(fns, FLAGS.repeats).items():
+        for rule_name, t in harness.interleaved_medians(fns, FLAGS.repeats).items():
             seconds[rule_name] += t
         for rule in rules:
             gen = jax.block_until_ready(runs[rule.name]([p], i))
@@ -195,7 +196,7 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     )
     rows = []
     for rule in rules:
-        m = summarize(jax.tree.map(lambda *xs: np.sum(xs, axis=0), *stats[rule.name]))
+        m = pooled(stats[rule.name])
         accepted = expected_accepted(rule, sampler, draft, logits, jax.random.key(1))
         rows.append(
             dict(
@@ -233,7 +234,7 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     sampler, n = Sampler(temperature), FLAGS.new_tokens
     drafter, dparams = build(name, ks[-1], sampler)
     bucket = -(-max(map(len, prompts)) // 8) * 8
-    spec = GenerateSpec(n, sampler, eos_id=None)
+    spec = harness.generate_spec(n, sampler, eos_id=None)
     given = tuple(map(float, FLAGS.adaptive_costs)) or None
     job = dataclasses.replace(spec, adaptive_k=AdaptiveK(ks, given))
     tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:1], job, bucket)
@@ -250,7 +251,7 @@ def bench_adaptive(target, prompts, name, temperature, ks, build) -> list[dict]:
     sample_s = {key: [] for key in runs}  # per sample: median over repeats
     for p, seed in samples:
         fns = {key: (lambda r=run: jax.block_until_ready(r([p], seed))) for key, run in runs.items()}
-        for key, times in common.interleaved_times(fns, FLAGS.repeats).items():
+        for key, times in harness.interleaved_times(fns, FLAGS.repeats).items():
             totals[key] = totals[key] + np.array(times)
             sample_s[key].append(np.median(times))
             stats[key].append(jax.block_until_ready(runs[key]([p], seed)).stats)
@@ -353,7 +354,7 @@ def adaptive_table(small, prompts) -> str:
     suffix = "" if FLAGS.adaptive_target == "stories260K" else "_expanded"
     suffix += "_given_costs" if FLAGS.adaptive_costs else ""
     name = "bench_verification_adaptive" + suffix + ("_smoke" if FLAGS.smoke else "")
-    return common.write_table(name, rows, title)
+    return harness.write_table(name, rows, title)
 
 
 def main(argv):
@@ -363,7 +364,7 @@ def main(argv):
         FLAGS.new_tokens, FLAGS.repeats, FLAGS.contexts_every, FLAGS.tree_draws = 16, 1, 4, 8
         FLAGS.temperatures, FLAGS.drafters, FLAGS.tree = ["1.0"], ["medusa"], "0;1;0,0"
         FLAGS.adaptive_k, FLAGS.adaptive_drafters = ["1", "2"], ["medusa"]
-    common.RESULTS = Path(FLAGS.results)  # where write_table writes
+    harness.RESULTS = Path(FLAGS.results)  # where write_table writes
     if FLAGS.prompts is not None and FLAGS.prompts < 1:
         raise cli.UsageError(f"--prompts must be at least 1, got {FLAGS.prompts}")
     if FLAGS.seeds < 1:
@@ -394,7 +395,7 @@ def main(argv):
     )
     if rows:
         name = "bench_verification_smoke" if FLAGS.smoke else "bench_verification"
-        print(common.write_table(name, rows, title))
+        print(harness.write_table(name, rows, title))
     if FLAGS.adaptive_k:
         print(adaptive_table(target, prompts))
 

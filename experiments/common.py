@@ -1,8 +1,8 @@
-"""Helpers shared by the benchmark scripts: random-weight models on disk, timing, tables."""
+"""Model helpers shared by the benchmark scripts: random-weight models on disk, datastores, per-call timing loops
+(prompts, timing in turns and writing: `experiments.harness`)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -10,63 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import results
+from experiments.harness import median_time
+from specjax.metrics import pooled
 from specjax.models.llama import causal_mask, forward, init_cache
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-# The 20 openings of the heads benchmarks (bench_heads, bench_eagle3).
-HEAD_PROMPTS = [
-    "Once upon a time",
-    "Once upon a time, there was a little girl named",
-    "Tom and his dog went to the",
-    "Lily wanted to",
-    "One day, a big bear",
-    "The sun was hot and the",
-    "Sam had a red ball.",
-    "There was a small bird who",
-    'Mom said, "',
-    "Ben and Mia were best friends.",
-    "The cat saw a",
-    "In the park, the children",
-    "A little boy found a",
-    "It was a rainy day and",
-    "The old tree",
-    "Sue liked to play with her",
-    "Once there was a fish named",
-    "Max was very happy because",
-    "The girl looked at the sky and",
-    "At night, the moon",
-]
-
-# Free-continuation story openings shared by the drafter and verification benchmarks (10 of the 20).
-STORY_OPENINGS = [HEAD_PROMPTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 9, 11, 13)]
-
-# Short stories for input-grounded prompts (bench_drafters, tables).
-STORIES = [
-    "Once upon a time, there was a dog named Max. Max loved to play with his red ball in the park. "
-    "One day, Max lost his ball. He looked under the big tree and found it.",
-    "Lily had a pretty doll. She took the doll everywhere. One day, Lily and her mom went to the store. "
-    "Lily held her doll and smiled.",
-    "Tom saw a little bird in the garden. The bird was sad because it could not fly. "
-    "Tom gave the bird some water and the bird was happy.",
-    "Sue and Ben went to the beach. They made a big sand castle. A wave came and the castle fell. "
-    "Sue and Ben laughed and made a new castle.",
-    "There was a cat named Kitty. Kitty liked to sleep in the sun. One day, Kitty saw a mouse. "
-    "Kitty ran after the mouse, but the mouse was fast.",
-    "Anna wanted to bake a cake for her mom. She put sugar and eggs in a bowl. "
-    "Anna was happy when her mom ate the cake.",
-    "Once upon a time, there was a little boy named Jack. Jack had a toy car. He played with the car "
-    "every day. One day, the car broke and Jack was sad.",
-    "Mia found a shiny rock in the garden. She showed the rock to her dad. Her dad said it was a "
-    "special rock. Mia kept the rock in her box.",
-    "A big bear lived in the forest. The bear was hungry. He looked for honey in a tree. "
-    "The bear found the honey and ate it all.",
-    "Tim and his friend Sam played with a ball. Sam kicked the ball very high. The ball went over "
-    "the fence. Tim and Sam went to get the ball.",
-]
-# The story, then its first sentence again: the model retells it, reusing its names and phrases.
-GROUNDED = [s + "\n" + s.split(". ")[0] + "." for s in STORIES]
 
 # What `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4).
 LAYER_SKIP = "0-1,3-4"
@@ -161,41 +107,21 @@ def random_hf_model(shape: dict, path: Path, seed: int = 0):
     return model
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of `fn()` over `repeats` runs, after one untimed warm-up run."""
-    return interleaved_medians({"fn": fn}, repeats)["fn"]
-
-
-def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """{name: median wall time of fn()}, the functions timed in turn (see `interleaved_times`)."""
-    return {name: statistics.median(t) for name, t in interleaved_times(fns, repeats).items()}
-
-
-def interleaved_times(fns: dict, repeats: int) -> dict:
-    """{name: [wall time of fn() in each of `repeats` rounds]}, the functions timed in turn. Taking turns matters
-    on a shared machine whose speed drifts by tens of percent over seconds: the times of one round saw the same
-    drift, so a ratio computed within each round (then its median) cancels it. Bursts shorter than one call do
-    not cancel: repeat more."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} times nothing; pass --repeats=1 or more")
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if len(fns) > 1:
-                fn()  # untimed: the first call after another function's runs slower (caches, thread wake-up)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def decode_seconds(
-    cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None, bucket: int = 8
+    cfg,
+    graphdef,
+    params,
+    prompts,
+    spec,
+    repeats: int,
+    drafter=None,
+    dparams=None,
+    bucket: int = 8,
+    tokens=None,
 ):
     """Summed median decode time over the prompts (batch 1 each, compiled once per prompt width padded to a
-    multiple of `bucket`), and each prompt's speculative statistics (None for AR)."""
+    multiple of `bucket`), and each prompt's speculative statistics (None for AR); each prompt's new tokens
+    (seed 0) are appended to the list `tokens` where one is given."""
     from specjax.decoding import compile_decode
 
     total, stats, compiled = 0.0, [], {}
@@ -204,9 +130,26 @@ def decode_seconds(
         if width not in compiled:
             compiled[width] = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams, bucket)[0]
         run = compiled[width]
-        stats.append(getattr(jax.block_until_ready(run([p])), "stats", None))
+        first = jax.block_until_ready(run([p]))
+        stats.append(getattr(first, "stats", None))
+        if tokens is not None:
+            tokens.append(np.asarray(first.tokens[0]).tolist())
         total += median_time(lambda: jax.block_until_ready(run([p])), repeats)
     return total, stats
+
+
+def versus_ar(model, prompts, spec, repeats: int, drafters):
+    """AR, then each (key, drafter, params) of the iterable `drafters` (built lazily, one at a time) on the
+    prompts (`decode_seconds`); yields (key, drafter, dict(tau, draft_eff, tok_s, speedup over AR)), key and
+    drafter None for AR."""
+    n_tokens = len(prompts) * spec.max_new_tokens
+    ar_s, _ = decode_seconds(*model, prompts, spec, repeats)
+    yield None, None, dict(tau=1.0, draft_eff=float("nan"), tok_s=n_tokens / ar_s, speedup=1.0)
+    for key, drafter, dparams in drafters:
+        spec_s, stats = decode_seconds(*model, prompts, spec, repeats, drafter, dparams)
+        m = pooled(stats)  # all prompts together
+        row = dict(tau=m["tau"], draft_eff=m["draft_efficiency"], tok_s=n_tokens / spec_s)
+        yield key, drafter, row | dict(speedup=ar_s / spec_s)
 
 
 def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32):
@@ -241,8 +184,3 @@ def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
     x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     return x.nbytes / median_time(lambda: total(x).block_until_ready(), repeats) / 1e9
-
-
-def write_table(name: str, rows: list[dict], title: str) -> str:
-    """Writes RESULTS/NAME.md and NAME.csv, stamped (`specjax.results`); returns the markdown table."""
-    return results.write_table(RESULTS, name, rows, title)

@@ -35,17 +35,17 @@ from pathlib import Path
 import numpy as np
 from absl import flags, logging
 
-from experiments import common
-from specjax import analysis, cli, metrics, results
-from specjax.decoding import GenerateSpec
+from experiments import common, harness
+from specjax import analysis, cli, metrics
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
 SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "systems")
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
-flags.DEFINE_string("results", str(common.RESULTS), "Folder for the tables and plots.")
+flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per decode (median).")
+harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
 # The literature's ordering (Spec-Bench, Vicuna-13B, greedy; EAGLE-2 = EAGLE's dynamic tree), fastest first.
@@ -66,13 +66,15 @@ LITERATURE = [
 BUCKET = 64
 
 
-def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None):
+def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None, tokens=None):
     """`common.decode_seconds` with `BUCKET`, then the compiled programs released."""
     import gc
 
     import jax
 
-    out = common.decode_seconds(cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET)
+    out = common.decode_seconds(
+        cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET, tokens
+    )
     jax.clear_caches()
     gc.collect()
     return out
@@ -126,27 +128,20 @@ def simulation_rows(rounds: int) -> list[dict]:
     return rows
 
 
-def leviathan(out: Path, quick: bool, stamp: dict) -> None:
-    import matplotlib
+def leviathan(out: harness.Writer, quick: bool) -> None:
+    plt = harness.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results.write_table(
-        out,
+    out.table(
         "leviathan_theorem38",
         improvement_rows(),
         "Leviathan et al. 2023, Theorem 3.8: expected improvement factor (1 - a^(g+1)) / ((1 - a)(g c + 1))",
         "`optimal_gamma` maximises it over gamma = 1..64 (`specjax.analysis.optimal_k`).",
-        stamp,
     )
     rounds = 20_000 if quick else 400_000
-    results.write_table(
-        out,
+    out.table(
         "leviathan_simulation",
         simulation_rows(rounds),
         f"Theorem 3.8 against a simulation of the i.i.d. acceptance process ({rounds} rounds, 99% interval)",
-        the_stamp=stamp,
     )
     alphas = np.linspace(0.05, 0.99, 95)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -160,8 +155,7 @@ def leviathan(out: Path, quick: bool, stamp: dict) -> None:
     right.set(xlabel="alpha", ylabel="improvement factor", title="Improvement at the optimal gamma")
     right.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "leviathan_figure3", stamp)
-    plt.close(fig)
+    out.figure(fig, "leviathan_figure3")
 
 
 # --- stories260K: the main table -----------------------------------------------------------------------------
@@ -172,10 +166,10 @@ def categories(tokenizer, quick: bool) -> dict:
     n = 1 if quick else None
     new = 8 if quick else 128
     return {
-        "free": ([tokenizer.encode(p) for p in common.STORY_OPENINGS[:n]], new),
-        "grounded": ([tokenizer.encode(p) for p in common.GROUNDED[:n]], new),
+        "free": ([tokenizer.encode(p) for p in harness.STORY_OPENINGS[:n]], new),
+        "grounded": ([tokenizer.encode(p) for p in harness.GROUNDED[:n]], new),
         "long": (
-            [tokenizer.encode(p) for p in common.STORY_OPENINGS[: 1 if quick else 4]],
+            [tokenizer.encode(p) for p in harness.STORY_OPENINGS[: 1 if quick else 4]],
             2 * new if quick else 384,
         ),
     }
@@ -233,7 +227,7 @@ def main_rows(target, quick: bool, repeats: int) -> list[dict]:
     for category, (prompts, n) in categories(target.tokenizer, quick).items():
         for t in (0.0,) if quick else (0.0, 1.0):
             sampler = Sampler(t)
-            spec = GenerateSpec(n, sampler, eos_id=None)
+            spec = harness.generate_spec(n, sampler, eos_id=None)
             ar_s, _ = timed(*model, prompts, spec, repeats)
             base = dict(category=category, T=t)
             rows.append(
@@ -279,16 +273,14 @@ def ordering_notes(rows: list[dict]) -> str:
     )
 
 
-def main_table(out: Path, quick: bool, stamp: dict, target) -> None:
+def main_table(out: harness.Writer, quick: bool, target) -> None:
     rows = main_rows(target, quick, 1 if quick else FLAGS.repeats)
-    results.write_table(
-        out,
+    out.table(
         "main_stories260K",
         rows,
         "Every drafter on stories260K (batch 1, float32): tau, tokens/s and speedup over AR in the same run, by "
         "prompt category; chains: the i.i.d. prediction of tau from the run's acceptance rate a",
         ordering_notes(rows) + "\n\n" + iid_notes(rows),
-        stamp,
     )
 
 
@@ -307,18 +299,15 @@ def iid_notes(rows: list[dict]) -> str:
     )
 
 
-def memory_bound(out: Path, quick: bool, stamp: dict) -> None:
+def memory_bound(out: harness.Writer, quick: bool) -> None:
     import dataclasses
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     from experiments import bench_memory_bound as bench
 
+    plt = harness.pyplot()
+
     settings = bench.SMOKE if quick else bench.Settings(batches=(1,))
-    tabs = bench.run(dataclasses.replace(settings, name="memory_bound"), str(out))
+    tabs = bench.run(dataclasses.replace(settings, name="memory_bound"), out.folder)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     ks = tabs["k"]
     left.plot([r["K"] for r in ks], [r["speedup"] for r in ks], marker="o", label="measured")
@@ -338,35 +327,32 @@ def memory_bound(out: Path, quick: bool, stamp: dict) -> None:
     right.set(xlabel="batch", ylabel="speedup over AR", xscale="log", title="EAGLE-3 chain against batch")
     right.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "memory_bound_sweeps", stamp)
-    plt.close(fig)
+    out.figure(fig, "memory_bound_sweeps")
 
 
 # --- heads --------------------------------------------------------------------------------------------------
 
 
-def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
+def head_tables(out: harness.Writer, quick: bool, target) -> None:
     import jax.numpy as jnp
 
     from specjax import heads
     from specjax.decoding import generate
 
     cfg = target.cfg
-    prompts = [target.tokenizer.encode(p) for p in common.HEAD_PROMPTS[: 2 if quick else None]]
+    prompts = [target.tokenizer.encode(p) for p in harness.HEAD_PROMPTS[: 2 if quick else None]]
     n = 16 if quick else 128
-    greedy = generate(cfg, target.graphdef, target.params, prompts, GenerateSpec(n, eos_id=None))
+    greedy = generate(cfg, target.graphdef, target.params, prompts, harness.generate_spec(n, eos_id=None))
     width = min(map(len, prompts)) + n
     sequences = jnp.asarray(
         [(p + np.asarray(greedy.tokens[i]).tolist())[:width] for i, p in enumerate(prompts)]
     )
     meta, graphdef, params = heads.load_heads(heads.COMMITTED / "stories260K_medusa", cfg, target.params)
-    results.write_table(
-        out,
+    out.table(
         "heads_medusa_accuracy",
         common.medusa_accuracy(target, meta, graphdef, params, sequences),
         f"Medusa heads on stories260K (Medusa's Table 1 layout): accuracy on the greedy continuations of "
         f"{len(prompts)} prompts",
-        the_stamp=stamp,
     )
     rows = []
     shapes = (("chain K=6", 6, None), ("dynamic 8,6,48", 6, DynamicTree(8, 6, 48)))
@@ -374,7 +360,7 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
         for setting, k, tree in shapes[:1] if quick else shapes:
             for t in (0.0,) if quick else (0.0, 1.0):
                 drafter, dparams = build(target, method, {}, k, tree, Sampler(t), None)
-                spec = GenerateSpec(n, Sampler(t), eos_id=None)
+                spec = harness.generate_spec(n, Sampler(t), eos_id=None)
                 _, stats = timed(cfg, target.graphdef, target.params, prompts, spec, 1, drafter, dparams)
                 m = metrics.pooled(stats)
                 alphas = {f"alpha_{i + 1}": float(a) for i, a in enumerate(m["alpha"])}
@@ -387,31 +373,26 @@ def head_tables(out: Path, quick: bool, stamp: dict, target) -> None:
                     )
                     | alphas
                 )
-    results.write_table(
-        out,
+    out.table(
         "heads_eagle_acceptance",
         rows,
         f"EAGLE-2 vs EAGLE-3 heads on stories260K: acceptance alpha_i of draft depth i (given the depths before "
         f"it) and tau, {len(prompts)} prompts x {n} tokens",
-        the_stamp=stamp,
     )
 
 
 # --- sweeps -------------------------------------------------------------------------------------------------
 
 
-def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def sweeps(out: harness.Writer, quick: bool, target) -> None:
+    plt = harness.pyplot()
 
     model = (target.cfg, target.graphdef, target.params)
-    prompts = [target.tokenizer.encode(p) for p in common.STORY_OPENINGS[: 1 if quick else 5]]
+    prompts = [target.tokenizer.encode(p) for p in harness.STORY_OPENINGS[: 1 if quick else 5]]
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
     ks = (1, 2) if quick else tuple(range(1, 9))
     drafters = ("ngram",) if quick else ("ngram", "medusa", "eagle", "eagle3")
-    greedy = GenerateSpec(n, Sampler(0.0), eos_id=None)
+    greedy = harness.generate_spec(n, Sampler(0.0), eos_id=None)
     ar_s, _ = timed(*model, prompts, greedy, repeats)
     k_rows = []
     for name in drafters:
@@ -431,44 +412,42 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
         best = analysis.optimal_k(float(np.mean([r["a"] for r in mine])), c, k_max=max(ks))
         for r in mine:
             r["analytic_optimum"] = r["K"] == best
-    results.write_table(
-        out,
+    out.table(
         "sweep_k",
         k_rows,
         f"Chain length K on stories260K (greedy, {len(prompts)} prompts x {n} tokens): tau, acceptance rate a, "
         "speedup over AR; analytic_optimum: Theorem 3.8's optimal K for the drafter's mean a and the draft cost c "
         "implied by its K=1 speedup",
-        the_stamp=stamp,
     )
     temps = (0.0, 1.0) if quick else (0.0, 0.3, 0.6, 1.0, 1.3)
     t_rows = []
     for name in drafters:
         for t in temps:
             drafter, dparams = build(target, name, {}, 4, None, Sampler(t), None)
-            _, stats = timed(*model, prompts, GenerateSpec(n, Sampler(t), eos_id=None), 1, drafter, dparams)
+            _, stats = timed(
+                *model, prompts, harness.generate_spec(n, Sampler(t), eos_id=None), 1, drafter, dparams
+            )
             t_rows.append(dict(drafter=name, T=t, tau=metrics.pooled(stats)["tau"]))
     title = f"Temperature on stories260K (chain K=4, {len(prompts)} prompts x {n} tokens): tau"
-    results.write_table(out, "sweep_temperature", t_rows, title, the_stamp=stamp)
+    out.table("sweep_temperature", t_rows, title)
     batches = (1, 2) if quick else (1, 2, 4, 8, 16)
     b_rows = []
     for b in batches:
         batch = (prompts * b)[:b]
-        run_ar = lambda: common.median_time(lambda: _decode(model, batch, greedy), repeats)
+        run_ar = lambda: harness.median_time(lambda: _decode(model, batch, greedy), repeats)
         ar = run_ar()
         for name in drafters[-1:]:
             drafter, dparams = build(target, name, {}, 4, None, Sampler(0.0), None)
-            spec = common.median_time(lambda: _decode(model, batch, greedy, drafter, dparams), repeats)
+            spec = harness.median_time(lambda: _decode(model, batch, greedy, drafter, dparams), repeats)
             b_rows.append(
                 dict(drafter=name, batch=b, ar_tok_s=b * n / ar, spec_tok_s=b * n / spec, speedup=ar / spec)
             )
-    results.write_table(
-        out,
+    out.table(
         "sweep_batch",
         b_rows,
         f"Batch size on stories260K (greedy, chain K=4, {n} tokens a row): speedup over AR at the same batch",
         "The speedup shrinks as the batch grows (a batched target pass is no longer free); it crosses 1 where "
         "speedup < 1.",
-        stamp,
     )
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in drafters:
@@ -486,18 +465,15 @@ def sweeps(out: Path, quick: bool, stamp: dict, target) -> None:
         xlabel="batch", ylabel="speedup over AR", xscale="log", title=f"{drafters[-1]} K=4 against batch"
     )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    results.save_figure(fig, out, "sweeps", stamp)
-    plt.close(fig)
+    out.figure(fig, "sweeps")
 
 
 # --- peers --------------------------------------------------------------------------------------------------
 
 
-def peers(out: Path, quick: bool, stamp: dict, target) -> None:
+def peers(out: harness.Writer, quick: bool, target) -> None:
     import torch
     import transformers
-
-    from specjax.decoding import generate, speculative_generate
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)  # on 2 shared cores, 2 threads ran stories260K's generate ~10x slower
@@ -505,9 +481,9 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     assistant = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
     assistant.config.num_hidden_layers, assistant.model.layers = 1, assistant.model.layers[:1]
     texts = (
-        common.STORY_OPENINGS[:1] + common.GROUNDED[:1]
+        harness.STORY_OPENINGS[:1] + harness.GROUNDED[:1]
         if quick
-        else common.STORY_OPENINGS[:5] + common.GROUNDED[:5]
+        else harness.STORY_OPENINGS[:5] + harness.GROUNDED[:5]
     )
     prompts = [target.tokenizer.encode(t) for t in texts]
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
@@ -519,20 +495,15 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
     ]
     rows = []
     for t in (0.0,) if quick else (0.0, 1.0):
-        spec = GenerateSpec(n, Sampler(t), eos_id=None)
-        reference = [np.asarray(generate(*model, [p], spec).tokens[0]).tolist() for p in prompts]
+        spec = harness.generate_spec(n, Sampler(t), eos_id=None)
+        reference = []  # specjax AR's tokens (its row comes first)
         for method, name, settings, hf_kwargs in ours:
             drafter, dparams = (
                 (None, None) if name is None else build(target, name, settings, 4, None, Sampler(t), None)
             )
-            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams)
+            same = reference if name is None else []  # the tokens of the timed runs themselves
+            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams, same)
             tau = 1.0 if name is None else metrics.pooled(stats)["tau"]
-            same = reference
-            if name is not None:
-                same = [
-                    np.asarray(speculative_generate(*model, drafter, dparams, [p], spec).tokens[0]).tolist()
-                    for p in prompts
-                ]
             rows.append(
                 dict(
                     peer="specjax",
@@ -562,8 +533,7 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
                 )
             )
             logging.info("%s", rows[-1])
-    results.write_table(
-        out,
+    out.table(
         "peers",
         rows,
         f"specjax against transformers {transformers.__version__} (PyTorch {torch.__version__}, 1 thread) on the same "
@@ -571,22 +541,21 @@ def peers(out: Path, quick: bool, stamp: dict, target) -> None:
         "transformers' tau = new tokens / target forward passes (its first pass reads the prompt and verifies a draft; "
         "specjax's prefill emits the first token only). same_as_specjax_ar: the fraction of prompts whose greedy "
         "output equals specjax AR's (sampled outputs are not comparable across frameworks).",
-        stamp,
     )
 
 
 # --- systems ------------------------------------------------------------------------------------------------
 
 
-def systems(out: Path, quick: bool, stamp: dict, target) -> None:
+def systems(out: harness.Writer, quick: bool, target) -> None:
     import jax
 
     from specjax.decoding import compile_decode
 
     model = (target.cfg, target.graphdef, target.params)
-    prompt = target.tokenizer.encode(common.STORY_OPENINGS[0])
+    prompt = target.tokenizer.encode(harness.STORY_OPENINGS[0])
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
-    spec = GenerateSpec(n, Sampler(0.0), eos_id=None)
+    spec = harness.generate_spec(n, Sampler(0.0), eos_id=None)
     datastore = None if quick else common.story_datastore(target, 65_536)
     shared = {id(x) for x in jax.tree.leaves(target.params)}
     rows, ar_step = [], None
@@ -597,7 +566,7 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
                 target, name, settings, k, parse_tree(tree or ""), Sampler(0.0), datastore
             )
         run, compile_s = compile_decode(*model, [prompt], spec, drafter, dparams)
-        seconds = common.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
+        seconds = harness.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
         rounds = n if name is None else int(jax.device_get(run([prompt]).stats.rounds))
         round_ms = 1e3 * seconds / max(rounds, 1)
         ar_step = ar_step or round_ms
@@ -610,8 +579,7 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
             | dict(round_over_ar_step=round_ms / ar_step, extra_param_MB=extra / 1e6)
             | dict(target_kv_KB=kv / 1024, draft_state_KB=state / 1024)
         )
-    results.write_table(
-        out,
+    out.table(
         "systems",
         rows,
         f"Systems on stories260K (greedy, batch 1, {n} tokens, float32): compile time of the decode loop, time per "
@@ -621,7 +589,6 @@ def systems(out: Path, quick: bool, stamp: dict, target) -> None:
         "Loop efficiency (model calls / measured round time) is measured where it means something, on the "
         "memory-bound target (`memory_bound_decode`, column loop_eff): on stories260K every call is fixed "
         "overhead.",
-        stamp,
     )
 
 
@@ -672,14 +639,14 @@ def main(argv):
     unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
     if unknown:
         cli.fail(f"unknown --sections {unknown}; choose from {list(SECTIONS)}")
-    out, stamp = Path(FLAGS.results), results.stamp()
+    out = harness.Writer(Path(FLAGS.results), echo=False)
     target = load_model()
     run = {
-        "leviathan": lambda: leviathan(out, FLAGS.quick, stamp),
-        "memory_bound": lambda: memory_bound(out, FLAGS.quick, stamp),
+        "leviathan": lambda: leviathan(out, FLAGS.quick),
+        "memory_bound": lambda: memory_bound(out, FLAGS.quick),
     }
     run |= {
-        name: (lambda f=f: f(out, FLAGS.quick, stamp, target))
+        name: (lambda f=f: f(out, FLAGS.quick, target))
         for name, f in (
             ("main", main_table),
             ("heads", head_tables),

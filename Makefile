@@ -40,13 +40,16 @@ tables: $(VENV)/.tables
 bench-memory: $(VENV)/.base
 	$(PY) -m experiments.bench_memory_bound
 
-# Trains the default Medusa and EAGLE heads on stories260K (about 10 + 6 minutes on 2 cores) into heads/.
+# Trains the default Medusa and EAGLE heads and the distilled draft model on stories260K into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
 	for m in medusa eagle eagle3; do \
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done
+	$(PY) train_heads.py --config=configs/draft.py --workdir=checkpoints/distill_stories260K
+	$(PY) -c "from specjax.drafters import distill; distill.export_model('checkpoints/distill_stories260K', \
+	  'heads/stories260K_distill', 'checkpoints/stories260K')"
 
 # On a machine with an accelerator (JAX with CUDA or TPU, torch, transformers installed; no venv is made): the test
 # suite there, then AR against transformers (bfloat16, 110M and 1B) and the memory-bound benchmark sized from the

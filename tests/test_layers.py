@@ -25,7 +25,7 @@ LAYERS = [
     ("draft shapes and acceptance", "specjax.drafters.search specjax.trees specjax.drafters.base specjax.acceptance."),
     ("decoding", "specjax.decoding."),
     ("data and CLI", "specjax.cli specjax.training.chat specjax.training.regenerate specjax.training.data "
-     "specjax.training.losses specjax.datastore"),
+     "specjax.training.losses specjax.training.divergences specjax.training.config specjax.datastore"),
     ("trained-head formats", "specjax.published specjax.heads"),
     ("drafters", "specjax.drafters."),
     ("tools", "specjax.models.expand specjax.training. specjax.runner specjax.verify_exactness specjax.checkpoint "

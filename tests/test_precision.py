@@ -67,14 +67,21 @@ def lower_train_step(t: LoadedModel, method: str, choice: str):
     from specjax.training import trainer
     from specjax.training.config import base_config
 
-    config = base_config(method)
+    config, trained = base_config(method), registry.trained(method)
     config.matmul_precision = choice
-    shape = registry.trained(method).shape_of(config.heads, t.cfg, None)
+    if "init" in config.heads:  # a draft model: from scratch (the tiny target lacks the default's layers)
+        config.heads.init = "scratch"
+    if trained.resample is not None:  # half of every batch sampled by the heads inside the step
+        config.data.on_policy_fraction = 0.5
+    trained.check(config.heads, t.cfg)
+    shape = trained.shape_of(config.heads, t.cfg, None)
     meta = heads.describe(method, shape, t.cfg)
     graphdef, params = heads.new_heads(meta, t.cfg, t.params, 0)
     optimizer = trainer.make_optimizer(config.optimizer, 10)
-    loss = trainer.loss_fn(meta, config, graphdef, (t.cfg, t.graphdef, t.params))
-    step = trainer.make_train_step(loss, optimizer, config, t.cfg.dtype)
+    target_ = (t.cfg, t.graphdef, t.params)
+    loss = trainer.loss_fn(meta, config, graphdef, target_)
+    resample = trainer.resampler(meta, config, graphdef, target_)
+    step = trainer.make_train_step(loss, optimizer, config, t.cfg.dtype, resample)
     tokens = jnp.ones((2, 16), jnp.int32)
     args = (
         params,

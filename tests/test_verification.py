@@ -503,7 +503,8 @@ def test_typical_tree_on_a_chain_agrees_with_the_chain_rule():
 # --- verify_exactness -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("drafter", registry.names())
+# distill drafts with draft_model's code (a DistilledDraft is a DraftModel): its case would repeat draft_model's
+@pytest.mark.parametrize("drafter", [n for n in registry.names() if n != "distill"])
 def test_verify_exactness_passes_every_drafter_and_catches_its_controls(drafter):
     rules = ("tokenwise", "block") + (("typical_lossy",) if drafter == "draft_model" else ())
     report = verify_exactness.verify(drafter, rules, greedy=False)

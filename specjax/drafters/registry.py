@@ -22,6 +22,7 @@ BUILTIN = (
     "lookahead",
     "retrieval",
     "quantized",
+    "distill",
 )
 
 
@@ -60,7 +61,12 @@ class TrainedHeads:
     function-preserving expansion of the target (`specjax.models.expand.expand_heads`; None: not expandable);
     published: its authors' layout (`Published`; None: it has none);
     settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)
-    and checked against (its `RULES`: field -> (predicate, what a valid value is))."""
+    and checked against (its `RULES`: field -> (predicate, what a valid value is));
+    check(config.heads, target_cfg): raises TrainingConfigError for heads this target cannot have, before the
+    trainer writes anything (default: none);
+    resample(graphdef, target_cfg, drafter_params, tokens_BT, loss_mask_BT, key, config) -> (tokens, loss_mask):
+    the training batch as the heads want it, made inside the train step before the target's features (e.g.
+    sequences sampled by the heads themselves; default: none, and `config.data.on_policy_fraction` must be 0)."""
 
     settings: type
     init: Callable
@@ -71,6 +77,8 @@ class TrainedHeads:
     feature_taps: Callable = lambda shape, target_cfg: ()
     expand: Callable | None = None
     published: Published | None = None
+    check: Callable = lambda h, target_cfg: None
+    resample: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,12 @@ def _head_settings(method: str) -> type:
     return registry.trained(method).settings
 
 
+def _resamples(method: str) -> bool:
+    from specjax.drafters import registry
+
+    return method in registry.head_methods() and registry.trained(method).resample is not None
+
+
 def base_config(method: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = method  # a drafter with trained heads: specjax.drafters.registry.head_methods()
@@ -61,6 +67,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
         "online"  # "online": the target runs inside the train step; "store": precomputed on disk
     )
     c.data.store = ""  # feature-store folder for features = "store"
+    c.data.on_policy_fraction = (
+        0.0  # rows of each batch the heads sample themselves (methods that can: distill)
+    )
+    c.data.heldout = 0  # corpus rows kept out of training and evaluated at every log step (0: none)
 
     c.heads = ml_collections.ConfigDict(dataclasses.asdict(_head_settings(method)()))
 
@@ -188,6 +198,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "data.store",
         "is empty but data.features='store' needs a folder",
     )
+    need(0 <= d.on_policy_fraction <= 1, "data.on_policy_fraction", "must be in [0, 1]")
+    if d.on_policy_fraction > 0:
+        need(
+            _resamples(c.method),
+            "data.on_policy_fraction",
+            f"needs a method that samples its own data, not {c.method}",
+        )
+        need(d.features == "online", "data.on_policy_fraction", "needs data.features='online' (new tokens)")
+    need(d.heldout >= 0, "data.heldout", "must be >= 0")
     settings = _head_settings(c.method)
     fields = sorted(f.name for f in dataclasses.fields(settings))
     if sorted(h.keys()) != fields:

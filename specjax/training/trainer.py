@@ -93,14 +93,34 @@ def loss_fn(meta: dict, config, graphdef, target):
     return loss
 
 
-def make_train_step(loss, optimizer, config, dtype):
+def resampler(meta: dict, config, graphdef, target):
+    """`(head_params, target_params, tokens, loss_mask, key) -> (tokens, loss_mask)`: the training batch as the
+    method wants it (e.g. sequences its heads sample themselves), or None where it takes the batch as it is."""
+    cfg = target[0]
+    resample = registry.trained(meta["method"]).resample
+    if resample is None:
+        return None
+
+    def batch(params, target_params, tokens, loss_mask, key):
+        full = heads.drafter_params(meta, jax.lax.stop_gradient(params), cfg, target_params)
+        return resample(graphdef, cfg, full, tokens, loss_mask, key, config)
+
+    return batch
+
+
+def make_train_step(loss, optimizer, config, dtype, resample=None):
     """The compiled step `(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad) ->
-    (params, opt_state, metrics, first_bad)`: forward and backward at `config.matmul_precision` for weights of
-    `dtype` (`specjax.precision`); `first_bad` keeps the first step whose loss or gradient was not finite."""
+    (params, opt_state, metrics, first_bad)`: the batch remade by `resample` where given (`resampler`), forward
+    and backward at `config.matmul_precision` for weights of `dtype` (`specjax.precision`); `first_bad` keeps the
+    first step whose loss or gradient was not finite."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, target_params, tokens, loss_mask, feats, key, step, first_bad):
         with precision.scope(config.matmul_precision, dtype):
+            if resample is not None:
+                tokens, loss_mask = resample(
+                    params, target_params, tokens, loss_mask, jax.random.fold_in(key, 1)
+                )
             (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
                 params, target_params, tokens, loss_mask, feats, key
             )
@@ -201,6 +221,7 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
         )
     target, tokenizer = load_target(config, mesh)
     cfg, _, target_params = target
+    registry.trained(config.method).check(config.heads, cfg)  # before anything is written
     d = config.data
     if d.seq_len > cfg.max_seq_len:
         raise TrainingConfigError(
@@ -246,9 +267,11 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         store = _feature_store(config, target, corpus, target_id, taps)
         corpus = data.Corpus(store.tokens, store.loss_mask)
     tokens, loss_mask = corpus
-    if len(tokens) < t.batch_size:
+    heldout = (tokens[len(tokens) - config.data.heldout :], loss_mask[len(tokens) - config.data.heldout :])
+    n_train = len(tokens) - config.data.heldout
+    if n_train < t.batch_size:
         raise data.DataError(
-            f"the corpus holds {len(tokens)} sequences of {config.data.seq_len} tokens, fewer than one batch "
+            f"the corpus holds {n_train} training sequences of {config.data.seq_len} tokens, fewer than one batch "
             f"of {t.batch_size} (it would be repeated within a batch); add data, or lower train.batch_size "
             "or data.seq_len"
         )
@@ -260,7 +283,17 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     opt_state = jax.device_put(optimizer.init(params), replicated)
     batch_sharding = NamedSharding(mesh, P("data"))
     width = tokens.shape[1]
-    train_step = make_train_step(loss_fn(meta, config, graphdef, target), optimizer, config, cfg.dtype)
+    loss = loss_fn(meta, config, graphdef, target)
+    train_step = make_train_step(
+        loss, optimizer, config, cfg.dtype, resampler(meta, config, graphdef, target)
+    )
+
+    @jax.jit
+    def evaluate(params, target_params, tokens, mask):
+        with precision.scope(config.matmul_precision, cfg.dtype):
+            return loss(params, target_params, tokens, mask, None, jax.random.key(0))[1]
+
+    heldout = jax.device_put(heldout, replicated) if config.data.heldout else None
 
     step, position = 0, 0
     if manager.latest_step() is not None:
@@ -314,7 +347,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     window_start, window_tokens = time.perf_counter(), 0
     try:
         while step < end and not stop.is_set():
-            rows = data.batch_indices(position, t.batch_size, len(tokens), config.seed)
+            rows = data.batch_indices(position, t.batch_size, n_train, config.seed)
             # each process reads the rows of its own devices only
             batch = sharding.global_array(batch_sharding, (len(rows), width), lambda i: tokens[rows[i]])
             mask = sharding.global_array(batch_sharding, (len(rows), width), lambda i: loss_mask[rows[i]])
@@ -334,6 +367,9 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
                 check_finite()
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 last["tokens_per_s"] = window_tokens / (time.perf_counter() - window_start)
+                if heldout is not None:  # held-out rows, never trained on
+                    metrics = jax.device_get(evaluate(params, target_params, *heldout))
+                    last |= {f"eval_{k}": float(v) for k, v in metrics.items()}
                 if logger:
                     logger(step, last)
                 window_start, window_tokens = time.perf_counter(), 0

@@ -1,0 +1,219 @@
+"""Distilled draft models (DistillSpec): divergences against numpy, a copy of the target has nothing to learn,
+training lowers the divergence and raises held-out acceptance, resuming is exact, the exported draft loads like
+any model and drafts exactly, bad configs are refused before anything is written."""
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY
+
+from specjax import checkpoint
+from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.drafters import distill
+from specjax.drafters.registry import trained
+from specjax.models.llama import init_params
+from specjax.models.loading import load_model, tokenizer_files
+from specjax.training import divergences, losses, trainer
+from specjax.training.config import TrainingConfigError, base_config, smoke
+from specjax.trees import parse_tree
+
+
+def np_divergence(name, target, draft, temperature, beta):
+    def softmax(x):
+        x = x / temperature
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(target.astype(np.float64)), softmax(draft.astype(np.float64))
+    kl = lambda a, b: np.sum(a * np.log(a / b), -1)
+    m = beta * p + (1 - beta) * q
+    return {
+        "forward_kl": kl(p, q),
+        "reverse_kl": kl(q, p),
+        "jsd": beta * kl(p, m) + (1 - beta) * kl(q, m),
+        "tvd": 0.5 * np.abs(p - q).sum(-1),
+    }[name]
+
+
+@pytest.mark.parametrize("name", divergences.DIVERGENCES)
+def test_divergence_equals_numpy_with_temperature_and_a_masked_position(name):
+    rng = np.random.default_rng(0)
+    target, draft = (rng.normal(0, 3, (2, 5, 11)).astype(np.float32) for _ in range(2))
+    mask = np.ones((2, 5), np.float32)
+    mask[1, 2] = 0
+    draft[1, 2] += 1e4  # a masked position may hold anything
+    got = divergences.divergence(name, jnp.asarray(target), jnp.asarray(draft), 0.7, 0.3)
+    want = np_divergence(name, target, draft, 0.7, 0.3)
+    keep = mask == 1
+    np.testing.assert_allclose(np.asarray(got)[keep], want[keep], rtol=1e-5, atol=1e-6)
+    mean = losses.masked_mean(got, jnp.asarray(mask))
+    np.testing.assert_allclose(float(mean), want[keep].mean(), rtol=1e-5)
+    other = divergences.divergence(name, jnp.asarray(target), jnp.asarray(draft), 1.0, 0.3)
+    assert not np.allclose(np.asarray(other)[keep], want[keep])  # the temperature matters
+
+
+@pytest.fixture(scope="module")
+def target_dir(stories, tmp_path_factory):
+    path = tmp_path_factory.mktemp("target") / "stories260K"
+    checkpoint.save_model(path, stories.cfg, stories.params, tokenizer_files(stories.path))
+    return path
+
+
+def test_exact_copy_of_the_target_has_zero_divergence_and_gradient():
+    cfg, (graphdef, target_params) = TINY, init_params(TINY, 1)
+    h = base_config("distill").heads
+    h.n_layers, h.dim, h.n_heads, h.n_kv_heads, h.hidden_dim = 2, cfg.dim, cfg.n_heads, cfg.n_kv_heads, 64
+    h.init = "layers:0,1"
+    heads = trained("distill")
+    shape = heads.shape_of(h, cfg, None)
+    draft_graphdef, params = heads.init(shape, cfg, target_params, 0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
+    mask = jnp.ones_like(tokens).at[1, 5].set(0)
+
+    @jax.jit
+    def all_divergences(params, target_params):
+        feats = losses.target_features(cfg, graphdef, target_params, tokens)
+        out = {}
+        for name in divergences.DIVERGENCES:
+            h.divergence = name
+
+            def loss(p):
+                full = heads.drafter_params(shape, p, cfg, target_params)
+                return heads.loss(draft_graphdef, cfg, full, feats, tokens, mask, None, h)
+
+            (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            out[name] = (value, metrics["alpha_T0"], optax_norm(grads))
+        return out
+
+    for name, (value, alpha_t0, grad) in all_divergences(params, target_params).items():
+        assert abs(float(value)) < 1e-6, name  # float32 rounding of log-probabilities around 1
+        assert float(grad) < 1e-6 and float(alpha_t0) == 1.0, name
+    params["layers"][1]["wo"]["weight"] += 0.1  # a draft that differs: every divergence and gradient > 0
+    for name, (value, _, grad) in all_divergences(params, target_params).items():
+        assert float(value) > 1e-4 and float(grad) > 1e-3, name
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(tree)))
+
+
+def config_for(target_dir, corpus=""):
+    c = smoke(base_config("distill"))
+    c.target = str(target_dir)
+    c.heads.n_layers, c.heads.init = 1, "layers:0"
+    c.data.num_samples, c.data.sample_len, c.data.cache = 40, 40, corpus
+    c.data.heldout, c.data.on_policy_fraction = 8, 0.25
+    c.optimizer.lr = 3e-3
+    c.train.steps, c.train.checkpoint_every, c.train.log_every = 12, 4, 4
+    return c
+
+
+def metrics(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained_run(target_dir, tmp_path_factory):
+    """A smoke distillation (12 steps, a quarter on-policy) and the target's parameters before and after."""
+    root = tmp_path_factory.mktemp("distill")
+    config = config_for(target_dir, str(root / "corpus.npy"))
+    seen = {}
+    real_load = trainer.load_target
+
+    def spy(config, mesh):
+        seen["target"], tok = real_load(config, mesh)
+        seen["before"] = jax.tree.map(np.array, seen["target"][2])
+        return seen["target"], tok
+
+    trainer.load_target = spy
+    try:
+        trainer.train(config, root / "straight")
+    finally:
+        trainer.load_target = real_load
+    return config, root, seen
+
+
+def test_training_lowers_the_divergence_raises_heldout_alpha_and_leaves_the_target(trained_run):
+    config, root, seen = trained_run
+    log = metrics(root / "straight")
+    assert log[-1]["eval_loss"] < 0.8 * log[0]["eval_loss"], log
+    assert log[-1]["eval_alpha_T1"] > log[0]["eval_alpha_T1"] + 0.05, log
+    assert log[-1]["eval_alpha_T0"] > log[0]["eval_alpha_T0"], log
+    after = jax.tree.map(np.array, seen["target"][2])
+    jax.tree.map(np.testing.assert_array_equal, seen["before"], after)
+
+
+def test_kill_and_resume_equals_uninterrupted(trained_run, stories):
+    config, root, _ = trained_run
+    trainer.train(config, root / "resumed", stop_at=6)
+    trainer.train(config, root / "resumed")
+    load = lambda run: distill.heads.load_heads(root / run, stories.cfg, stories.params)[2]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), load("straight"), load("resumed")
+    )
+
+
+def test_export_loads_everywhere_with_the_same_logits_and_drafts_exactly(trained_run, target_dir, stories):
+    import torch
+    import transformers
+
+    config, root, _ = trained_run
+    dest = distill.export_model(root / "straight", root / "export", target_dir)
+    draft = load_model(str(dest))
+    meta, graphdef, params = distill.heads.load_heads(root / "straight", stories.cfg, stories.params)
+    tokens = jnp.asarray([stories.tokenizer.encode("Once upon a time, there was a girl named Lily.")])
+    cfg = distill.draft_config(meta["shape"], stories.cfg)
+    ours = np.asarray(distill.draft_logits(cfg, graphdef, params, tokens))
+    loaded = np.asarray(distill.draft_logits(draft.cfg, draft.graphdef, draft.params, tokens))
+    np.testing.assert_array_equal(loaded, ours)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dest, torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
+    assert draft.tokenizer.encode("Lily") == stories.tokenizer.encode("Lily")
+
+    prompts = [stories.tokenizer.encode(t) for t in ("Once upon a time", "Lily saw a")]
+    spec = GenerateSpec(24, eos_id=None)
+    ar = np.asarray(generate(stories.cfg, stories.graphdef, stories.params, prompts, spec).tokens)
+    for tree in (None, parse_tree("0;1;0,0;1,0")):
+        k = 3 if tree is None else tree.depth
+        drafter = distill.DistilledDraft(draft.cfg, draft.graphdef, k, tree=tree)
+        gen = speculative_generate(
+            stories.cfg, stories.graphdef, stories.params, drafter, {"draft": draft.params}, prompts, spec
+        )
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("heads.vocab_size", 500, "differs from the target's vocabulary of 512"),
+        ("heads.init", "layers:0,7", "names layers [7] that the target lacks"),
+        ("heads.dim", 32, "a draft of other widths cannot copy them"),
+        ("heads.divergence", "kl", "heads.divergence='kl' must be one of"),
+        ("data.on_policy_fraction", 1.5, "data.on_policy_fraction=1.5 must be in [0, 1]"),
+    ],
+)
+def test_bad_drafts_are_refused_before_anything_is_written(key, value, message, target_dir, tmp_path):
+    config = config_for(target_dir)
+    section, name = key.split(".")
+    if (key, value) == ("heads.init", "layers:0,7"):
+        config.heads.n_layers = 2
+    setattr(config[section], name, value)
+    with pytest.raises(TrainingConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
+        trainer.train(config, tmp_path / "run")
+    assert "\n" not in str(err.value)
+    assert not [p for p in (tmp_path / "run").glob("*") if p.name != ".lock"]
+
+
+def test_a_draft_larger_than_the_target_is_allowed_with_a_warning_naming_the_cost(stories, caplog):
+    h = base_config("distill").heads
+    h.n_layers, h.dim, h.hidden_dim, h.init = 6, 128, 344, "scratch"
+    with caplog.at_level(logging.WARNING):
+        distill.check(h, stories.cfg)
+    assert "cannot be faster than decoding the target alone" in caplog.text
+    assert "target passes" in caplog.text

@@ -160,6 +160,7 @@ class Eagle3(Eagle):
                 f"{target_cfg.n_layers} layers: train a head for this target"
             )
 
+    @precision.follows_params
     def fuse(self, params, target_feats):
         n = len(self.feature_taps) * self.layer_cfg.dim  # the tapped layers; the final features follow
         return nnx.merge(self.graphdef, params["head"]).fuse(target_feats[..., :n])

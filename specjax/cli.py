@@ -21,13 +21,11 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
+from specjax.errors import UsageError
+
 DEBUG = "SPECJAX_DEBUG"
 GREEDY_BELOW = 1e-5  # a positive temperature below this decodes greedily (with a warning)
 USER_ERRORS = (ValueError, OSError, flags.Error)
-
-
-class UsageError(ValueError):
-    """A command line that cannot work: stray arguments, flags that do not go together, a bad value."""
 
 
 def debug() -> bool:

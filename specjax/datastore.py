@@ -26,16 +26,13 @@ import numpy as np
 from absl import logging
 
 from specjax import files
+from specjax.errors import DatastoreError
 from specjax.training.data import array_digest, check_token_range, read_documents
 
 FORMAT = "specjax-datastore"
 MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "suffix")
 PROBE = 'Once upon a time, 12 cats said: "Hello!" ünïcode 東京 <tab>\t</s> end.'
-
-
-class DatastoreError(ValueError):
-    """A missing, unfinished or unusable datastore; the message names it and the fix."""
 
 
 def suffix_array(tokens_R: np.ndarray) -> np.ndarray:

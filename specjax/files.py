@@ -23,22 +23,7 @@ from pathlib import Path
 
 from absl import logging
 
-
-class FileSafetyError(ValueError):
-    """specjax refuses to write or read a path (it would lose or mix data); the message names the path and the fix."""
-
-
-class DestinationError(FileSafetyError):
-    """A destination that exists and was not written by specjax, overlaps its source, or cannot be written."""
-
-
-class ProvenanceError(FileSafetyError):
-    """Files on disk that were made from another source, target or settings than the ones asked for."""
-
-
-class LockedError(FileSafetyError):
-    """A work directory that another running process holds."""
-
+from specjax.errors import DestinationError, FileSafetyError, LockedError, ProvenanceError  # noqa: F401
 
 HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 

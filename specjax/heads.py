@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from specjax import checkpoint
 from specjax.drafters import registry
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import CheckpointError
 
@@ -101,7 +102,7 @@ def heads_builder(method: str):
             loaded = load_heads(workdir, target.cfg, target.params)
         meta, graphdef, params = loaded
         if meta["method"] != method:
-            raise ValueError(
+            raise HeadsError(
                 f"{workdir} holds {meta['method']} heads, not {method}; pass --drafter={meta['method']} "
                 f"or the heads of a {method} run"
             )
@@ -125,7 +126,7 @@ def write_meta(workdir: Path, meta: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != meta:
-            raise ValueError(
+            raise HeadsError(
                 f"{workdir} already holds heads {old}, not {meta}: use a new --workdir to train "
                 "different heads"
             )
@@ -151,7 +152,7 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
             for k, v in meta["target"].items()
             if target_signature(target_cfg).get(k) != v
         }
-        raise ValueError(
+        raise HeadsError(
             f"the heads in {workdir} were trained for another target: (heads, this target) differ "
             f"in {diff}; train heads for this target"
         )

@@ -36,6 +36,7 @@ from specjax import files, heads
 from specjax.drafters.base import target_io
 from specjax.drafters.eagle import layer_config
 from specjax.drafters.eagle3 import paper_layers
+from specjax.errors import HeadsError
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError
 
@@ -169,7 +170,7 @@ def load_published(path: str | Path, method: str, target_cfg: LlamaConfig, targe
     target, as `heads.load_heads` returns them."""
     path = Path(path).absolute()
     if method not in WEIGHTS:
-        raise ValueError(f"unknown published head method {method!r}; use one of {sorted(WEIGHTS)}")
+        raise HeadsError(f"unknown published head method {method!r}; use one of {sorted(WEIGHTS)}")
     config, tensors, where = _read_dir(path, method)
     load = {"eagle3": _load_eagle3, "eagle": _load_eagle, "medusa": _load_medusa}[method]
     return load(config, tensors, where, target_cfg, target_params)
@@ -449,7 +450,7 @@ def _eagle3_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
 
 def _eagle_files(meta: dict, p, cfg: LlamaConfig) -> tuple[dict, dict]:
     if meta["shape"].get("input_norm", True):
-        raise ValueError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
+        raise HeadsError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
     t = {
         "fc.weight": p["fc"]["weight"],
         "fc.bias": p["fc"]["bias"],
@@ -489,9 +490,9 @@ def export_published(
 
     method = meta["method"]
     if method not in WEIGHTS:
-        raise ValueError(f"{method} heads have no published layout; export eagle3, eagle or medusa heads")
+        raise HeadsError(f"{method} heads have no published layout; export eagle3, eagle or medusa heads")
     if meta["target"] != heads.target_signature(target_cfg):
-        raise ValueError(
+        raise HeadsError(
             f"these heads were trained for target {meta['target']}, not {heads.target_signature(target_cfg)}: "
             "pass the config of the target they were trained for"
         )

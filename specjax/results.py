@@ -20,12 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.errors import ResultsError
+
 REPO = Path(__file__).resolve().parents[1]
 STAMP_KEYS = ("commit", "date", "device", "command")
-
-
-class ResultsError(ValueError):
-    """A results file without its stamp, or a table without the columns it must have."""
 
 
 def _commit() -> str:

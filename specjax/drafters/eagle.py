@@ -20,6 +20,7 @@ from flax import nnx, struct
 from specjax import heads
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
 from specjax.sampling import Sampler
@@ -95,7 +96,7 @@ class Eagle(KOrTree):
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.layer_cfg
         if layer_config(target_cfg).replace(dtype=mine.dtype, max_seq_len=mine.max_seq_len) != mine:
-            raise ValueError(
+            raise HeadsError(
                 f"this EAGLE head was built for a target with vocabulary {self.layer_cfg.vocab_size} "
                 f"and width {self.layer_cfg.dim}, not vocabulary {target_cfg.vocab_size} and width "
                 f"{target_cfg.dim} (or another layer shape): train a head for this target"

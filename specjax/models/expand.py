@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax.errors import ConfigError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import build_params
 
@@ -74,7 +75,7 @@ class Expansion:
                 f"{cfg.n_heads}/{cfg.n_kv_heads}"
             )
         if problems:
-            raise ValueError(f"cannot expand: {'; '.join(problems)}; choose a larger expansion")
+            raise ConfigError(f"cannot expand: {'; '.join(problems)}; choose a larger expansion")
         return cfg.replace(
             dim=self.dim,
             n_layers=self.n_layers,
@@ -217,7 +218,7 @@ def truncated_original(cfg: LlamaConfig, expanded_params, expansion: Expansion, 
     `n_original`), its embedding, final norm and head, skipping the inserted layers between them: the small
     model's own truncated draft at the wide model's per-layer cost. `cfg` is the expanded config."""
     if not 1 <= n < n_original:
-        raise ValueError(
+        raise ConfigError(
             f"a truncated draft takes 1..{n_original - 1} of the {n_original} original layers, got {n} "
             "(all of them is the target itself)"
         )
@@ -277,7 +278,7 @@ def expand_heads(
         where = expansion.original_layers(cfg.n_layers)  # a tap reads the residual after an original layer
         meta = {**meta, "shape": {**meta["shape"], "layers": [where[i] for i in meta["shape"]["layers"]]}}
     else:
-        raise ValueError(
+        raise ConfigError(
             f"cannot expand heads of method {meta['method']!r}; expandable: medusa, eagle, eagle3"
         )
     meta2 = heads.describe(meta["method"], meta["shape"], expanded_cfg)

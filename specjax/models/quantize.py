@@ -24,13 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.errors import QuantizationError
 from specjax.models.llama import Linear, replace_linears
 
 INT_DTYPES = {8: jnp.int8, 4: jnp.int4}
-
-
-class QuantizationError(ValueError):
-    """Invalid quantisation settings; the message says what is wrong and how to fix it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,12 +25,9 @@ from absl import logging
 
 from specjax import cli, files
 from specjax.decoding import GenerateSpec, generate
+from specjax.errors import DataError, MissingInputError
 from specjax.sampling import Sampler
 from specjax.training import chat
-
-
-class DataError(ValueError):
-    """Training data that cannot be used as it is; the message names the file or setting and the fix."""
 
 
 class Corpus(NamedTuple):
@@ -68,7 +65,7 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
     """Token ids (BOS first) of each document of a `.txt` or `.jsonl` file."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
         )
     try:
@@ -380,7 +377,7 @@ class FeatureStore:
     def __init__(self, folder: str | Path, provenance: dict | None = None):
         folder = Path(folder).absolute()
         if not (folder / MANIFEST).exists():
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"{folder} has no {MANIFEST}: the feature store is missing or was not finished; rebuild it"
             )
         self.manifest = json.loads((folder / MANIFEST).read_text())

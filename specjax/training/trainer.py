@@ -33,16 +33,13 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import checkpoint, files, heads, sharding
 from specjax.drafters import registry
+from specjax.errors import NonFiniteLossError
 from specjax.models.loading import load_tokenizer
 from specjax.sharding import llama_shardings, make_mesh
 from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
 
 CONFIG = "config.json"  # the resolved config of the run that started the workdir, and the target's identity
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient became NaN or infinite; the run stopped and kept its last good checkpoint."""
 
 
 def make_optimizer(opt, steps: int) -> optax.GradientTransformation:

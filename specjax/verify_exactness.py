@@ -462,7 +462,10 @@ def main(argv=None) -> int:
     flags.DEFINE_multi_string(
         "drafter_setting", [], "KEY=VALUE of the drafter's settings (real models).", flag_values=f
     )
-    argv = f(sys.argv if argv is None else argv)
+    argv = sys.argv if argv is None else argv
+    if kind := cli.help_asked(argv):
+        cli.print_help(f, kind, __doc__)
+    argv = f(argv)
     if len(argv) > 1 or f.drafter is None:
         raise UsageError(
             f"no drafter to check; pass --drafter=NAME (one of {registry.names()})"

@@ -103,6 +103,11 @@ def prepare_speculative(
         check_adaptive(drafter, spec.adaptive_k)
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
     width, slots = tokens.shape[1], shape.cache_slots
+    if width + shape.depth > cfg.max_seq_len:
+        raise DecodingError(
+            f"K={shape.depth} draft tokens per round do not fit the model's context of {cfg.max_seq_len} after a "
+            f"prompt of {width} tokens (padded); pass --k={cfg.max_seq_len - width} or less"
+        )
     need = width + spec.max_new_tokens + slots
     if spec.cache_size and need > spec.cache_size:
         raise DecodingError(

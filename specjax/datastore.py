@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     except cli.USER_ERRORS as err:
         if cli.debug():
             raise
-        cli.fail(cli.describe(err))
+        print(f"error: {cli.describe(err)}", file=sys.stderr)
+        return 1
     m = store.manifest
     print(
         f"wrote {m['n_tokens']:,} tokens of {m['n_documents']:,} documents to {args.out or args.corpus + '.datastore'} "

@@ -487,8 +487,7 @@ CASES = [
         "heads-corrupt-checkpoint",
         "run_decode",
         ["--drafter=medusa", "--heads={bad}/heads_corrupt"],
-        "cannot restore head parameters of step 2000",
-        alone=True,  # Orbax's failed reads used to print tracebacks around the error as the process ended
+        "cannot restore head parameters of step 2000",  # Orbax's failed reads printed tracebacks around it
     ),
     case("decode-quantize-group-zero", "run_decode", ["--quantize=int4:0"], "asks for groups of 0 columns"),
     case(

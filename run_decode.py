@@ -130,8 +130,14 @@ def drafter_plan():
     a drafter flag that the chosen drafter does not read is an error, not a silent no-op."""
     given = {name for name in drafter_flags() | SPECULATIVE_FLAGS if FLAGS[name].present}
     if FLAGS.drafter == "none":
+        if FLAGS.compare_ar:
+            given.add("compare_ar")
         if given:
-            raise cli.UsageError(f"--{', --'.join(sorted(given))} need a drafter; pass --drafter=NAME")
+            verb = "needs" if len(given) == 1 else "need"
+            raise cli.UsageError(
+                f"--{', --'.join(sorted(given))} {verb} a drafter (speculative decoding); pass --drafter=NAME "
+                f"or drop {'it' if len(given) == 1 else 'them'}"
+            )
         return None
     entry = registry.get(FLAGS.drafter)
     own = {f.name for f in dataclasses.fields(entry.settings)}
@@ -156,6 +162,17 @@ def make_drafter(target, sampler, plan):
     return entry.build(target, settings, k, tree, sampler)
 
 
+def config_only(name: str):
+    """The model's config read without its weights (a specjax checkpoint or a Hugging Face directory), else None."""
+    from specjax import checkpoint
+    from specjax.models.loading import read_hf_config, resolve
+
+    path = resolve(name)
+    if (path / checkpoint.MARKER).exists():
+        return checkpoint.read_config(path)
+    return read_hf_config(path / "config.json") if (path / "config.json").is_file() else None
+
+
 def adaptive_k() -> AdaptiveK | None:
     return AdaptiveK.parse(FLAGS.adaptive_k) if FLAGS.adaptive_k else None
 
@@ -172,9 +189,13 @@ def main(argv):
     rule = acceptance.get(FLAGS.acceptance)
     plan = drafter_plan()
     quant = parse_quantization(FLAGS.quantize)
+    if quant is not None and (cfg := config_only(FLAGS.model)) is not None:
+        quant.check(cfg)  # before the weights are read
     cli.join_processes()
     mesh = sharding.make_mesh(*sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
     model = load_model(FLAGS.model, FLAGS.dtype, mesh)
+    if quant is not None:
+        quant.check(model.cfg)
     spec = GenerateSpec(
         FLAGS.max_new_tokens,
         sampler,

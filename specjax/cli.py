@@ -12,6 +12,7 @@ positional arguments.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import os
@@ -21,13 +22,11 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
+from specjax.errors import UsageError
+
 DEBUG = "SPECJAX_DEBUG"
 GREEDY_BELOW = 1e-5  # a positive temperature below this decodes greedily (with a warning)
 USER_ERRORS = (ValueError, OSError, flags.Error)
-
-
-class UsageError(ValueError):
-    """A command line that cannot work: stray arguments, flags that do not go together, a bad value."""
 
 
 def debug() -> bool:
@@ -74,6 +73,33 @@ def guarded(main: Callable, errors: tuple = (), status: int = 1, positional: boo
     return wrapper
 
 
+SHORT_HELP = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+FULL_HELP = ("--helpfull", "-helpfull")
+
+
+def help_asked(argv: list[str]) -> str | None:
+    """'short' or 'full' when `argv` asks for help (--help, -h, --helpshort; --helpfull) before a `--`."""
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg in FULL_HELP:
+            return "full"
+        if arg in SHORT_HELP:
+            return "short"
+    return None
+
+
+def print_help(values: flags.FlagValues, kind: str, doc: str | None = None) -> NoReturn:
+    """Prints the command's help on stdout (`doc`, then its flags: this module's for 'short', all for
+    'full') and exits with status 0."""
+    if values is flags.FLAGS and doc is None:
+        app.usage(shorthelp=kind == "short", writeto_stdout=True, exitcode=0)
+    print((doc or "").strip() + "\n")
+    print(values.main_module_help() if kind == "short" and values is flags.FLAGS else values.get_help())
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+
 def parse_flags(
     argv: list[str],
     values: flags.FlagValues = flags.FLAGS,
@@ -81,7 +107,10 @@ def parse_flags(
     check: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """Parses `argv` into `values` from their defaults (absl's `flags_parser`), after `check(argv)` (which
-    raises what absl would not explain); a flag error is one line."""
+    raises what absl would not explain); a flag error is one line. --help and --helpfull print the help and
+    exit with status 0."""
+    if kind := help_asked(argv):
+        print_help(values, kind)
     try:
         if check is not None:
             check(argv)
@@ -158,3 +187,17 @@ def join_processes() -> None:
     from specjax import sharding
 
     sharding.initialize(flags.FLAGS.coordinator, flags.FLAGS.num_processes, flags.FLAGS.process_id)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the conventions of every specjax command: a mistake is one line `error: ...; see --help`
+    (exit status 1; SPECJAX_DEBUG=1: argparse's own message) and --helpfull is --help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--helpfull", action="help", help="the same as --help")
+
+    def error(self, message: str) -> NoReturn:
+        if debug():
+            super().error(message)
+        fail(f"{message}; see {self.prog} --help")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,16 +25,13 @@ import numpy as np
 from absl import logging
 
 from specjax import files
+from specjax.errors import DatastoreError
 from specjax.training.data import array_digest, check_token_range, read_documents
 
 FORMAT = "specjax-datastore"
 MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "suffix")
 PROBE = 'Once upon a time, 12 cats said: "Hello!" ünïcode 東京 <tab>\t</s> end.'
-
-
-class DatastoreError(ValueError):
-    """A missing, unfinished or unusable datastore; the message names it and the fix."""
 
 
 def suffix_array(tokens_R: np.ndarray) -> np.ndarray:
@@ -72,7 +68,8 @@ def provenance(corpus: str | Path, tokenizer_id: str) -> dict:
     """What a datastore depends on: the corpus file's contents and the tokenizer."""
     path = Path(corpus).absolute()
     if not path.is_file():
-        raise DatastoreError(f"corpus {path} does not exist; pass --corpus=FILE (.txt or .jsonl)")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise DatastoreError(f"corpus {path} {what}; pass --corpus=FILE (.txt or .jsonl)")
     return {"corpus": {"file": str(path), "sha256": files.sha256_file(path)}, "tokenizer": tokenizer_id}
 
 
@@ -108,7 +105,7 @@ def build(corpus: str | Path, tokenizer, out: str | Path) -> Datastore:
     `.jsonl`), builds the suffix array and saves the datastore at `out` (replacing only a datastore)."""
     start = time.perf_counter()
     record = provenance(corpus, tokenizer_identity(tokenizer))
-    docs = read_documents(corpus, tokenizer)
+    docs = read_documents(corpus, tokenizer, "corpus", "--corpus")
     store = Datastore.from_tokens(np.fromiter((t for d in docs for t in d), np.int32))
     check_token_range(store.tokens_R, tokenizer.vocab_size, f"the corpus {corpus}")
     manifest = {
@@ -194,13 +191,10 @@ def open_datastore(datastore: str, corpus: str, tokenizer) -> Datastore:
 def main(argv=None) -> int:
     """`python -m specjax.datastore --corpus=FILE --model=MODEL --out=DIR`: builds a datastore. A user error
     ends with one line `error: ...` and exit status 1 (SPECJAX_DEBUG=1: traceback)."""
-    import argparse
-
+    from specjax import cli
     from specjax.models.loading import load_model
 
-    parser = argparse.ArgumentParser(
-        prog="python -m specjax.datastore", description=__doc__.split("\n\n")[0]
-    )
+    parser = cli.ArgumentParser(prog="python -m specjax.datastore", description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True, help="a .txt (one document per line) or .jsonl file")
     parser.add_argument(
         "--model", default="stories260K", help="the target whose tokenizer tokenises the corpus"
@@ -209,10 +203,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         store = build(args.corpus, load_model(args.model).tokenizer, args.out or f"{args.corpus}.datastore")
-    except (ValueError, OSError) as err:
-        if os.environ.get("SPECJAX_DEBUG"):
+    except cli.USER_ERRORS as err:
+        if cli.debug():
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {cli.describe(err)}", file=sys.stderr)
         return 1
     m = store.manifest
     print(

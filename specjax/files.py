@@ -23,22 +23,7 @@ from pathlib import Path
 
 from absl import logging
 
-
-class FileSafetyError(ValueError):
-    """specjax refuses to write or read a path (it would lose or mix data); the message names the path and the fix."""
-
-
-class DestinationError(FileSafetyError):
-    """A destination that exists and was not written by specjax, overlaps its source, or cannot be written."""
-
-
-class ProvenanceError(FileSafetyError):
-    """Files on disk that were made from another source, target or settings than the ones asked for."""
-
-
-class LockedError(FileSafetyError):
-    """A work directory that another running process holds."""
-
+from specjax.errors import DestinationError, FileSafetyError, LockedError, ProvenanceError  # noqa: F401
 
 HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 
@@ -125,13 +110,56 @@ def atomic_dir(
     renamed to `dest`, else removed. An existing `dest` is replaced only if it is empty or `replaceable(dest)`
     says specjax wrote it (checked before and after writing); otherwise DestinationError names it."""
     dest = Path(dest).absolute()
-    tmp = _create_partial(dest, replaceable, what, Path.mkdir)
+    _refuse_existing(dest, replaceable, what)
+    _make_parent(dest)
+    with writing(dest, what):
+        tmp = _create_partial(dest, replaceable, what, Path.mkdir)
+        try:
+            yield tmp
+            _move_into_place(tmp, dest, replaceable, what)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def writing(dest: Path, what: str) -> Iterator[Path]:
+    """Holds `.NAME.writing` beside `dest` (an exclusive `flock`, released by the kernel even when the holder is
+    killed) while one process writes `dest`: a second writer of the same destination is refused with LockedError
+    naming the lock, so two runs never mix their outputs. The file is removed when the write ends."""
+    import fcntl
+
+    lock = dest.parent / f".{dest.name}.writing"
     try:
-        yield tmp
-        _move_into_place(tmp, dest, replaceable, what)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise DestinationError(
+            f"cannot create the lock {lock} ({err.strerror or err}); choose a writable destination"
+        ) from err
+    acquired = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(_holder(os.pread(fd, 4096, 0).decode(errors="replace")))
+            raise LockedError(
+                f"another run ({holder}) is writing the {what} {dest} (lock {lock}); wait for it to end or "
+                "choose another destination"
+            ) from None
+        except OSError:  # no flock on this file system: go on unlocked, as before
+            pass
+        acquired = True
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode() + b"\n", 0)
+        yield lock
+    finally:
+        try:
+            if acquired:
+                with contextlib.suppress(OSError):
+                    lock.unlink()  # while still held: a run refused meanwhile saw it taken
+        finally:
+            os.close(fd)
 
 
 def _move_into_place(tmp: Path, dest: Path, replaceable, what: str) -> None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from specjax import files, published
 from specjax.drafters import registry
 from specjax.drafters.base import target_signature
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.store import restore_step
 from specjax.models.weights import CheckpointError
@@ -91,7 +92,7 @@ def heads_builder(method: str):
             loaded = load_heads(workdir, target.cfg, target.params)
         meta, graphdef, params = loaded
         if meta["method"] != method:
-            raise ValueError(
+            raise HeadsError(
                 f"{workdir} holds {meta['method']} heads, not {method}; pass --drafter={meta['method']} "
                 f"or the heads of a {method} run"
             )
@@ -115,7 +116,7 @@ def write_meta(workdir: Path, meta: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != meta:
-            raise ValueError(
+            raise HeadsError(
                 f"{workdir} already holds heads {old}, not {meta}: use a new --workdir to train "
                 "different heads"
             )
@@ -124,28 +125,80 @@ def write_meta(workdir: Path, meta: dict) -> None:
     path.write_text(json.dumps(meta, indent=1))
 
 
+def read_meta(workdir: Path) -> dict:
+    """`workdir`'s heads.json, checked: a registered head method, its shape and the target's signature (else
+    HeadsError, one line)."""
+    path = Path(workdir) / META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise HeadsError(
+            f"{path} is missing or corrupt ({err}); pass the --workdir of a train_heads.py run or an export of one"
+        ) from err
+    fix = "restore the heads.json that train_heads.py wrote there, or pass another heads folder"
+    if not isinstance(meta, dict):
+        raise HeadsError(f"{path} holds a {type(meta).__name__}, not the description of heads; {fix}")
+    for key, kind in (("method", str), ("shape", dict), ("target", dict)):
+        if not isinstance(meta.get(key), kind):
+            found = "no such entry" if key not in meta else f"{meta[key]!r}"
+            raise HeadsError(f"{path} lacks a valid {key!r} entry ({found}); {fix}")
+    if meta["method"] not in registry.head_methods():
+        raise HeadsError(
+            f"{path} names the head method {meta['method']!r}, which specjax does not know (one of "
+            f"{registry.head_methods()}); {fix}"
+        )
+    return meta
+
+
+def _check_stored_shapes(workdir: Path, params_dir: Path, fresh) -> None:
+    """Refuses (HeadsError) a heads.json whose heads have other arrays than its checkpoint stores, before Orbax
+    is asked to read them; a checkpoint without readable metadata is left to the restore to report."""
+    try:
+        tree = json.loads((params_dir / "_METADATA").read_text())["tree_metadata"]
+        stored = {
+            "/".join(str(k["key"]) for k in v["key_metadata"]): tuple(v["value_metadata"]["write_shape"])
+            for v in tree.values()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    wanted = {
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]
+    }
+    if stored != wanted:
+        diff = sorted(
+            (k, stored.get(k), wanted.get(k)) for k in {*stored, *wanted} if stored.get(k) != wanted.get(k)
+        )
+        raise HeadsError(
+            f"{workdir / META} does not describe the heads its checkpoint {params_dir.parent} holds (array, "
+            f"stored shape, shape heads.json implies: {diff[:3]}); restore the heads.json the run wrote, or retrain"
+        )
+
+
 def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
     """(meta, graphdef, params) of the latest checkpoint in `workdir`, checked against the target."""
     import orbax.checkpoint as ocp
 
     workdir = Path(workdir).absolute()
-    try:
-        meta = json.loads((workdir / META).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{workdir / META} is missing or corrupt ({err}): pass the --workdir of a train_heads.py run"
-        ) from err
-    if meta["target"] != target_signature(target_cfg):
+    meta = read_meta(workdir)
+    ours = target_signature(target_cfg)
+    if meta["target"] != ours:
         diff = {
-            k: (v, target_signature(target_cfg)[k])
-            for k, v in meta["target"].items()
-            if target_signature(target_cfg).get(k) != v
+            k: (meta["target"].get(k), ours.get(k))
+            for k in {*meta["target"], *ours}
+            if meta["target"].get(k) != ours.get(k)
         }
-        raise ValueError(
+        raise HeadsError(
             f"the heads in {workdir} were trained for another target: (heads, this target) differ "
             f"in {diff}; train heads for this target"
         )
-    graphdef, fresh = new_heads(meta, target_cfg, target_params)
+    try:
+        graphdef, fresh = new_heads(meta, target_cfg, target_params)
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise HeadsError(
+            f"{workdir / META} describes {meta['method']} heads of shape {meta['shape']} that cannot be built "
+            f"({type(err).__name__}: {err}); restore the heads.json the run wrote, or retrain"
+        ) from err
     # onto this process's default device, whatever mesh wrote the checkpoint
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), fresh)
@@ -153,6 +206,7 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
         step = manager.latest_step()
         if step is None:
             raise CheckpointError(f"{workdir / 'checkpoints'} holds no finished checkpoint: train first")
+        _check_stored_shapes(workdir, workdir / "checkpoints" / str(step) / "params", fresh)
         restored = restore_step(
             manager,
             step,
@@ -215,3 +269,34 @@ def export(workdir: str | Path, dest: str | Path) -> Path:
         record = {"format": "specjax-heads-export", "workdir": str(workdir), "step": step}
         (tmp / EXPORT).write_text(json.dumps(record, indent=1))
     return dest
+
+
+def main(argv=None) -> int:
+    """`python -m specjax.heads export WORKDIR DEST`: copies a training run's latest heads to DEST (see
+    `export`). A user error ends with one line `error: ...` and exit status 1 (SPECJAX_DEBUG=1: traceback)."""
+    import sys
+
+    from specjax import cli
+
+    parser = cli.ArgumentParser(prog="python -m specjax.heads", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    exporting = commands.add_parser(
+        "export",
+        help="copy the latest heads of a train_heads.py run (no optimiser state) to a new folder",
+        description=export.__doc__.split("\n")[0],
+    )
+    exporting.add_argument("workdir", help="the --workdir of a train_heads.py run")
+    exporting.add_argument("dest", help="the folder to write (new, empty, or an earlier export)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        dest = export(args.workdir, args.dest)
+    except cli.USER_ERRORS as err:
+        if cli.debug():
+            raise
+        cli.fail(cli.describe(err))
+    print(f"exported the heads of {Path(args.workdir).absolute()} to {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

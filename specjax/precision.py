@@ -17,11 +17,9 @@ import functools
 import jax
 import numpy as np
 
+from specjax.errors import PrecisionError
+
 CHOICES = ("dtype", "default", "high", "highest")
-
-
-class PrecisionError(ValueError):
-    """An unknown matmul precision."""
 
 
 def check(choice: str) -> str:

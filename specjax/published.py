@@ -20,6 +20,7 @@ import numpy as np
 from specjax import files
 from specjax.drafters import registry
 from specjax.drafters.base import target_io, target_signature
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import CheckpointError
 
@@ -73,7 +74,7 @@ def load_published(path: str | Path, method: str, target_cfg: LlamaConfig, targe
     the target, as `specjax.heads.load_heads` returns them."""
     path = Path(path).absolute()
     if method not in layouts():
-        raise ValueError(f"unknown published head method {method!r}; use one of {sorted(layouts())}")
+        raise HeadsError(f"unknown published head method {method!r}; use one of {sorted(layouts())}")
     config, tensors, where = _read_dir(path, method)
     return layouts()[method].load(config, tensors, where, target_cfg, target_params)
 
@@ -272,9 +273,9 @@ def export_published(
     method = meta["method"]
     exportable = sorted(m for m, layout in layouts().items() if layout.files is not None)
     if method not in exportable:
-        raise ValueError(f"{method} heads have no published layout; export {', '.join(exportable)} heads")
+        raise HeadsError(f"{method} heads have no published layout; export {', '.join(exportable)} heads")
     if meta["target"] != target_signature(target_cfg):
-        raise ValueError(
+        raise HeadsError(
             f"these heads were trained for target {meta['target']}, not {target_signature(target_cfg)}: "
             "pass the config of the target they were trained for"
         )

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax import files
+from specjax.errors import ResultsError
+
 REPO = Path(__file__).resolve().parents[1]
 STAMP_KEYS = ("commit", "date", "device", "command")
-
-
-class ResultsError(ValueError):
-    """A results file without its stamp, or a table without the columns it must have."""
 
 
 def _commit() -> str:
@@ -100,7 +99,7 @@ def write_table(
     lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
     text = "\n".join(lines) + "\n" + (f"\n{notes.strip()}\n" if notes else "")
-    (folder / f"{name}.md").write_text(text)
+    files.write_text(folder / f"{name}.md", text, replaceable=_ours)  # whole or not at all, even if killed
     out = io.StringIO()
     out.write(f"# stamp: {json.dumps(s)}\n")
     writer = csv.DictWriter(out, keys)
@@ -108,8 +107,13 @@ def write_table(
     writer.writerows(
         {k: (float(v) if isinstance(v, np.floating) else v) for k, v in r.items()} for r in rows
     )
-    (folder / f"{name}.csv").write_text(out.getvalue())
+    files.write_text(folder / f"{name}.csv", out.getvalue(), replaceable=_ours)
     return text
+
+
+def _ours(path: Path) -> bool:
+    """results/ is specjax's output: a table or figure there is replaced by the next run that writes it."""
+    return path.is_file()
 
 
 def _visible(s: dict) -> str:
@@ -123,7 +127,8 @@ def save_figure(fig, folder: str | Path, name: str, the_stamp: dict | None = Non
     s = the_stamp or stamp()
     fig.text(0.01, 0.005, f"{s['date']} · {s['commit']} · {s['command']}", fontsize=6, color="gray")
     path = folder / f"{name}.png"
-    fig.savefig(path, dpi=110, metadata={"stamp": json.dumps(s)})
+    with files.atomic_file(path, replaceable=_ours) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"stamp": json.dumps(s)})
     return path
 
 

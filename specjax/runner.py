@@ -9,16 +9,17 @@ import jax
 
 from specjax import sharding
 from specjax.decoding import GenerateSpec, compile_decode
+from specjax.errors import DecodingError
 from specjax.models.loading import LoadedModel
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids (BOS first) of each prompt; an empty prompt is an error."""
     if not texts:
-        raise ValueError("no prompts given: pass --prompt TEXT or --prompts_file FILE")
+        raise DecodingError("no prompts given: pass --prompt TEXT or --prompts_file FILE")
     for i, text in enumerate(texts):
         if not text.strip():
-            raise ValueError(f"prompt {i} is empty; give some text to continue")
+            raise DecodingError(f"prompt {i} is empty; give some text to continue")
     return [tokenizer.encode(t) for t in texts]
 
 
@@ -49,7 +50,7 @@ def decode_texts(
     one device or split over `mesh` (`specjax.sharding`). Short batches are padded by repeating a prompt (on a
     mesh, to a multiple of its data axis); their extra rows are dropped."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise DecodingError(f"batch_size must be >= 1, got {batch_size}")
     prompts = encode_prompts(model.tokenizer, texts)
     size = min(batch_size, len(prompts))
     if mesh is not None:

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import SamplingError
+
 NEG_INF = -jnp.inf
 
 
@@ -20,11 +22,11 @@ class Sampler:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
+            raise SamplingError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

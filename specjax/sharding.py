@@ -20,11 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specjax.errors import MeshError
 from specjax.models.config import LlamaConfig
-
-
-class MeshError(ValueError):
-    """A mesh that cannot hold the job (too many devices, an axis that does not divide a dimension)."""
 
 
 def initialize(coordinator: str | None, num_processes: int, process_id: int) -> None:

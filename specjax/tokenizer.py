@@ -6,6 +6,8 @@ import struct
 from pathlib import Path
 from typing import Protocol
 
+from specjax.errors import CheckpointError
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -90,7 +92,7 @@ class Llama2cTokenizer:
             self.scores.append(score)
             offset += n
         if offset != len(raw):
-            raise ValueError(
+            raise CheckpointError(
                 f"tokenizer {path} does not hold exactly {vocab_size} pieces: it does not belong "
                 "to this model (vocabulary mismatch) or is corrupt"
             )

@@ -17,11 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters import search
+from specjax.errors import TreeError
 from specjax.layouts import ChainLayout, TreeLayout
-
-
-class TreeError(ValueError):
-    """An invalid tree specification; the message names the offending path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +31,7 @@ class Chain:
 
     def __post_init__(self):
         if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"K (draft tokens per round) must be an integer >= 1, got {self.k!r}")
+            raise TreeError(f"K (draft tokens per round) must be an integer >= 1, got {self.k!r}")
 
     @property
     def depth(self) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 from specjax import acceptance, cli
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters import registry
+from specjax.errors import UsageError
 from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
@@ -156,13 +157,13 @@ def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler,
 def build_drafter(name, target, k, tree, sampler, tiny: bool, settings: dict | None = None):
     if tiny:
         if settings:
-            raise ValueError("drafter settings apply to real models; drop them with --model=tiny")
+            raise UsageError("drafter settings apply to real models; drop them with --model=tiny")
         return tiny_drafter(name, target, k, tree, sampler)
     entry = registry.get(name)
     fields = {f.name: f for f in dataclasses.fields(entry.settings)}
     unknown = set(settings or {}) - set(fields)
     if unknown:
-        raise ValueError(f"{name} has no settings {sorted(unknown)}; its settings are {sorted(fields)}")
+        raise UsageError(f"{name} has no settings {sorted(unknown)}; its settings are {sorted(fields)}")
 
     def convert(key, value):  # command-line values arrive as strings: give them the type of the default
         default = fields[key].default
@@ -330,11 +331,11 @@ def verify(
     """Checks `drafter` (a registered name) with each acceptance rule in `rules` (names or rule objects); see
     the module docstring. `samples` per rule and per control (0: 10000 for `exact`, 20000 for `ar`)."""
     if sampler.greedy:
-        raise ValueError(
+        raise UsageError(
             "the distribution check needs a sampling temperature > 0; greedy is checked with it"
         )
     if tokens < 2:
-        raise ValueError(f"--tokens must be >= 2 (the first comes from the prefill), got {tokens}")
+        raise UsageError(f"--tokens must be >= 2 (the first comes from the prefill), got {tokens}")
     rules = [acceptance.get(r) if isinstance(r, str) else r for r in rules]
     tiny = model == "tiny"
     target = tiny_target(seed) if tiny else load_model(model)
@@ -345,7 +346,7 @@ def verify(
     if method == "auto":
         method = "exact" if cfg.vocab_size ** (tokens - 1) <= MAX_EXACT_PREFIXES else "ar"
     if method not in ("exact", "ar"):
-        raise ValueError(f"--method must be auto, exact or ar, got {method!r}")
+        raise UsageError(f"--method must be auto, exact or ar, got {method!r}")
     n = samples or (10_000 if method == "exact" else 20_000)
     groups = tuple(x for r in rules for x in (r, ResampleFromTarget(r)))
     draft, dparams = build_drafter(drafter, target, k, shape, sampler, tiny, settings)
@@ -461,9 +462,12 @@ def main(argv=None) -> int:
     flags.DEFINE_multi_string(
         "drafter_setting", [], "KEY=VALUE of the drafter's settings (real models).", flag_values=f
     )
-    argv = f(sys.argv if argv is None else argv)
+    argv = sys.argv if argv is None else argv
+    if kind := cli.help_asked(argv):
+        cli.print_help(f, kind, __doc__)
+    argv = f(argv)
     if len(argv) > 1 or f.drafter is None:
-        raise ValueError(
+        raise UsageError(
             f"no drafter to check; pass --drafter=NAME (one of {registry.names()})"
             + (f"; unexpected arguments {argv[1:]}" if len(argv) > 1 else "")
         )

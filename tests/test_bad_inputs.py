@@ -1,5 +1,6 @@
 """Bad input through the real entry points: run_decode.py, train_heads.py, `python -m specjax.convert`,
-`python -m specjax.verify_exactness` and the experiments. Every user error ends with a non-zero exit status and
+`python -m specjax.verify_exactness`, `python -m specjax.datastore`, `python -m specjax.heads` and the
+experiments. Every user error ends with a non-zero exit status and
 one last line on stderr, `error: <what>; <fix>`, naming the problem, with no traceback; outputs that existed
 before (sentinel files) come out byte-for-byte intact; documented behaviours (a temperature below 1e-5 decodes
 greedily, with a warning) hold.
@@ -31,6 +32,8 @@ COMMANDS = {  # name: how the real command starts (a script of the repository, o
     "train_heads": ("script", "train_heads.py"),
     "convert": ("module", "specjax.convert"),
     "verify": ("module", "specjax.verify_exactness"),
+    "datastore": ("module", "specjax.datastore"),
+    "heads": ("module", "specjax.heads"),
     "bench_ar": ("module", "experiments.bench_ar"),
     "bench_trees": ("module", "experiments.bench_trees"),
     "bench_verification": ("module", "experiments.bench_verification"),
@@ -119,9 +122,9 @@ CASES = [
         ["--prompts_file={bad}/nothing.txt"],
         "(no such file or directory)",
     ),
-    case("decode-k-without-drafter", "run_decode", ["--k=3"], "--k need a drafter", alone=True),
-    case("decode-tree-without-drafter", "run_decode", ["--tree=chain4"], "--tree need a drafter"),
-    case("decode-heads-without-drafter", "run_decode", ["--heads=x"], "--heads need a drafter"),
+    case("decode-k-without-drafter", "run_decode", ["--k=3"], "--k needs a drafter", alone=True),
+    case("decode-tree-without-drafter", "run_decode", ["--tree=chain4"], "--tree needs a drafter"),
+    case("decode-heads-without-drafter", "run_decode", ["--heads=x"], "--heads needs a drafter"),
     case("decode-unknown-drafter", "run_decode", ["--drafter=bogus"], "unknown drafter 'bogus'"),
     case(
         "decode-foreign-drafter-flag",
@@ -194,7 +197,7 @@ CASES = [
         "run_decode",
         ["--drafter=medusa", "--heads={bad}/nothing"],
         "heads.json is missing",
-        fix=": pass the --workdir of a train_heads.py run",
+        fix="; pass the --workdir of a train_heads.py run",
     ),
     case(
         "decode-zero-draft-layers",
@@ -457,6 +460,117 @@ CASES = [
         alone=True,
         keep=("results",),
     ),
+    # --- issue 38: heads folders, quantisation groups, flags that cannot take effect -------------------
+    case(
+        "heads-json-without-target",
+        "run_decode",
+        ["--drafter=medusa", "--heads={bad}/heads_notarget"],
+        "heads.json lacks a valid 'target' entry (no such entry)",
+    ),
+    case(
+        "heads-json-a-list", "run_decode", ["--drafter=medusa", "--heads={bad}/heads_list"], "holds a list"
+    ),
+    case(
+        "heads-json-unknown-method",
+        "run_decode",
+        ["--drafter=medusa", "--heads={bad}/heads_method"],
+        "names the head method 'bogus', which specjax does not know",
+    ),
+    case(
+        "heads-json-other-shape",
+        "run_decode",
+        ["--drafter=medusa", "--heads={bad}/heads_nheads"],
+        "heads.json does not describe the heads its checkpoint",
+        "('b', (4, 1, 64), (3, 1, 64))",
+    ),
+    case(
+        "heads-corrupt-checkpoint",
+        "run_decode",
+        ["--drafter=medusa", "--heads={bad}/heads_corrupt"],
+        "cannot restore head parameters of step 2000",  # Orbax's failed reads printed tracebacks around it
+    ),
+    case("decode-quantize-group-zero", "run_decode", ["--quantize=int4:0"], "asks for groups of 0 columns"),
+    case(
+        "decode-quantize-group-7",
+        "run_decode",
+        ["--quantize=int4:7"],
+        "a group of 7 input columns does not divide the model's width (dim) 64",
+        "(e.g. 64)",
+    ),
+    case("decode-quantize-group-48", "run_decode", ["--quantize=int8:48"], "a group of 48 input columns"),
+    case(
+        "decode-quantized-drafter-group-7",
+        "run_decode",
+        ["--drafter=quantized", "--bits=4", "--group_size=7"],
+        "a group of 7 input columns does not divide",
+    ),
+    case(
+        "decode-k-beyond-context",
+        "run_decode",
+        ["--drafter=ngram", "--k=600", "--max_new_tokens=4"],
+        "K=600 draft tokens per round do not fit the model's context of 512",
+    ),
+    case(
+        "decode-compare-ar-without-drafter", "run_decode", ["--compare_ar"], "--compare_ar needs a drafter"
+    ),
+    case(
+        "decode-acceptance-without-drafter",
+        "run_decode",
+        ["--acceptance=block"],
+        "--acceptance needs a drafter",
+    ),
+    case(
+        "decode-several-without-drafter",
+        "run_decode",
+        ["--k=3", "--compare_ar"],
+        "--compare_ar, --k need a drafter",
+        fix="drop them",
+    ),
+    # --- python -m specjax.datastore --------------------------------------------------------------------
+    case("datastore-no-corpus", "datastore", [], "the following arguments are required: --corpus"),
+    case("datastore-unknown-flag", "datastore", ["--corpus=x", "--bogus=1"], "unrecognized arguments"),
+    case(
+        "datastore-missing-corpus",
+        "datastore",
+        ["--corpus={bad}/nothing.txt"],
+        "corpus ",
+        "does not exist; pass --corpus=FILE",
+    ),
+    case(
+        "datastore-blank-corpus", "datastore", ["--corpus={bad}/blank.txt"], "corpus ", "holds no document"
+    ),
+    case("datastore-directory-corpus", "datastore", ["--corpus={bad}/empty_dir"], "is a directory"),
+    case("datastore-binary-corpus", "datastore", ["--corpus={bad}/binary.bin"], "is not UTF-8 text"),
+    case(
+        "datastore-foreign-out",
+        "datastore",
+        ["--corpus={bad}/story.txt", "--out={bad}/mine"],
+        "already exists and is not a",
+        keep=("mine",),
+    ),
+    # --- python -m specjax.heads export -----------------------------------------------------------------
+    case("heads-no-command", "heads", [], "the following arguments are required: COMMAND"),
+    case("heads-unknown-command", "heads", ["frob"], "invalid choice: 'frob'"),
+    case("heads-export-no-dest", "heads", ["export", "x"], "the following arguments are required: dest"),
+    case(
+        "heads-export-not-a-workdir",
+        "heads",
+        ["export", "{bad}/empty_dir", "{bad}/out"],
+        "is not a train_heads.py workdir",
+    ),
+    case(
+        "heads-export-over-foreign",
+        "heads",
+        ["export", "{bad}/heads_good", "{bad}/mine"],
+        "already exists and is not a heads export",
+        keep=("mine",),
+    ),
+    case(
+        "heads-export-into-the-workdir",
+        "heads",
+        ["export", "{bad}/heads_good", "{bad}/heads_good/copy"],
+        "lies inside or contains the workdir",
+    ),
     # --- documented behaviours ------------------------------------------------------------------------
     case(
         "verify-tiny-temperature",
@@ -515,6 +629,23 @@ def make_bad_files(bad: Path) -> dict:
         (SHARED / "llama2c" / "stories260K.bin").read_bytes()[:4096]
     )
     shutil.copy(SHARED / "llama2c" / "tok512.bin", bad / "l2c" / "tok512.bin")
+    (bad / "story.txt").write_text(STORY.format("dog", "Rex", "Rex"))
+    heads = REPO / "heads" / "stories260K_medusa"
+    meta = json.loads((heads / "heads.json").read_text())
+    for name, change in [
+        ("good", None),
+        ("notarget", lambda m: {k: v for k, v in m.items() if k != "target"}),
+        ("list", lambda m: [m]),
+        ("method", lambda m: {**m, "method": "bogus"}),
+        ("nheads", lambda m: {**m, "shape": {**m["shape"], "num_heads": 3}}),
+        ("corrupt", None),
+    ]:
+        shutil.copytree(heads, bad / f"heads_{name}")
+        if change:
+            (bad / f"heads_{name}" / "heads.json").write_text(json.dumps(change(meta)))
+    for f in (bad / "heads_corrupt" / "checkpoints").rglob("d/*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
     groups = {"notes": [bad / "notes.txt"]}
     for group in ("work", "run", "mine", "results"):
         (bad / group / "sub").mkdir(parents=True)
@@ -614,6 +745,15 @@ EXTRA = [  # batched runs compared with each other (the documented behaviour of 
     ("tiny-temperature", "run_decode", ["--temperature=1e-7", "--max_new_tokens=12"]),
     ("zero-temperature", "run_decode", ["--temperature=0", "--max_new_tokens=12"]),
 ]
+HELP = {  # command: what its help must show
+    "run_decode": "--max_new_tokens",
+    "train_heads": "--config",
+    "convert": "--dtype",
+    "verify": "--drafter_setting",
+    "datastore": "--corpus",
+    "heads": "export",
+}
+EXTRA += [(f"help-{name}{ask}", name, [ask]) for name in HELP for ask in ("--help", "--helpfull", "-h")]
 
 
 @pytest.fixture(scope="module")
@@ -666,6 +806,16 @@ def test_tiny_temperature_decodes_greedily_with_a_warning(batched):
     assert "--temperature=1e-07 is below 1e-05: decoding greedily" in tiny["stderr"]
     story = lambda out: out["stdout"].split("\n|")[0]  # the text, before the timing table
     assert story(tiny) == story(zero) and "Once upon a time" in story(zero)
+
+
+@pytest.mark.parametrize("name", HELP)
+def test_every_command_answers_help(name, batched):
+    """--help, --helpfull and -h print the command's flags on stdout and exit with status 0 (verify_exactness
+    answered `error: Unknown command line flag 'help'`)."""
+    for ask in ("--help", "--helpfull", "-h"):
+        out = batched[f"help-{name}{ask}"]
+        assert out["status"] == 0, (ask, out["stderr"][-2000:])
+        assert HELP[name] in out["stdout"] and "error:" not in out["stderr"], (ask, out)
 
 
 def test_debug_shows_the_traceback(bad):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import STORIES, TINY
 
+from specjax import errors
 from specjax.checkpoint import restore_model, save_model
 from specjax.decoding import GenerateSpec, generate
 from specjax.models.config import ConfigError, LlamaConfig
@@ -21,24 +22,24 @@ HF_CONFIG = json.loads((STORIES / "config.json").read_text()) if STORIES else {}
 
 
 def test_prompt_plus_new_tokens_beyond_context():
-    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+    with pytest.raises(errors.DecodingError, match="exceeds the model's context of 256"):
         generate(TINY, GRAPHDEF, PARAMS, [[1] * 200], GenerateSpec(100))
 
 
 def test_prompt_beyond_explicit_cache():
-    with pytest.raises(ValueError, match="does not fit the KV cache of 32 slots"):
+    with pytest.raises(errors.DecodingError, match="does not fit the KV cache of 32 slots"):
         generate(TINY, GRAPHDEF, PARAMS, [[1] * 20], GenerateSpec(20, cache_size=32))
 
 
 def test_empty_prompt():
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(errors.DecodingError, match="at least one token"):
         generate(TINY, GRAPHDEF, PARAMS, [[1, 2], []], GenerateSpec(4))
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(errors.DecodingError, match="prompt 1 is empty"):
         encode_prompts(None, ["hello", "  "])
 
 
 def test_token_ids_outside_vocabulary():
-    with pytest.raises(ValueError, match=r"\[0, 97\).*tokenizer does not belong"):
+    with pytest.raises(errors.DecodingError, match=r"\[0, 97\).*tokenizer does not belong"):
         generate(TINY, GRAPHDEF, PARAMS, [[1, 500]], GenerateSpec(4))
 
 
@@ -71,7 +72,7 @@ def test_mistral_without_window_is_accepted():
     ],
 )
 def test_invalid_sampling_settings(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(errors.SamplingError, match=message):
         Sampler(**kwargs)
 
 
@@ -120,7 +121,7 @@ def test_missing_orbax_params(tmp_path, stories):
 def test_tokenizer_vocab_mismatch(tmp_path):
     shutil.copy(STORIES / "tokenizer.json", tmp_path)
     shutil.copy(STORIES / "tokenizer_config.json", tmp_path)
-    with pytest.raises(ValueError, match="has 512 tokens but the model's vocabulary is 97"):
+    with pytest.raises(CheckpointError, match="has 512 tokens but the model's vocabulary is 97"):
         load_tokenizer(tmp_path, 97)
 
 
@@ -137,9 +138,9 @@ def test_parameter_shape_mismatch():
 
 def test_unknown_model_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face hub"):
+    with pytest.raises(errors.MissingInputError, match="could not be downloaded from the Hugging Face hub"):
         resolve("nobody/no-such-model")
-    with pytest.raises(FileNotFoundError, match="neither a local path nor a hub repository id"):
+    with pytest.raises(errors.MissingInputError, match="neither a local path nor a hub repository id"):
         resolve("./no/such/dir")
 
 
@@ -155,7 +156,7 @@ def test_default_model_resolution(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
-        FileNotFoundError,
+        errors.MissingInputError,
         match=r"stories260K/stories260K.bin, stories260K/tok512.model from "
         r"karpathy/tinyllamas",
     ):
@@ -168,5 +169,86 @@ def test_tree_wider_than_vocabulary():
     from specjax.trees import balanced
 
     wide = DraftModel(TINY, GRAPHDEF, 1, tree=balanced(TINY.vocab_size + 1, 1))
-    with pytest.raises(ValueError, match=f"drafts {TINY.vocab_size + 1} candidates per node, more than"):
+    with pytest.raises(
+        errors.DecodingError, match=f"drafts {TINY.vocab_size + 1} candidates per node, more than"
+    ):
         speculative_generate(TINY, GRAPHDEF, PARAMS, wide, PARAMS, [[1, 2]], GenerateSpec(4))
+
+
+# --- the catalogue of typed errors (specjax.errors) ----------------------------------------------------
+
+ERROR_HOMES = {  # module: the errors it raises and re-exports (one class, one home: specjax.errors)
+    "specjax.cli": ["UsageError"],
+    "specjax.files": ["FileSafetyError", "DestinationError", "ProvenanceError", "LockedError"],
+    "specjax.models.config": ["ConfigError"],
+    "specjax.models.weights": ["CheckpointError"],
+    "specjax.models.quantize": ["QuantizationError"],
+    "specjax.training.config": ["TrainingConfigError"],
+    "specjax.training.data": ["DataError"],
+    "specjax.training.chat": ["ChatDataError"],
+    "specjax.training.trainer": ["NonFiniteLossError"],
+    "specjax.datastore": ["DatastoreError"],
+    "specjax.results": ["ResultsError"],
+    "specjax.sharding": ["MeshError"],
+    "specjax.trees": ["TreeError"],
+    "specjax.drafters.retrieval": ["RetrievalError"],
+    "specjax.drafters.ngram": ["NGramError"],
+    "specjax.drafters.lookahead": ["LookaheadError"],
+    "specjax.drafters.layer_skip": ["LayerSkipError"],
+}
+
+
+def test_every_error_is_a_documented_specjax_error_and_keeps_its_builtin():
+    import importlib
+    import inspect
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert len(classes) >= 25
+    for cls in classes:
+        assert issubclass(cls, errors.SpecjaxError) and cls.__doc__, cls
+        if (
+            cls is not errors.SpecjaxError
+        ):  # a notebook's `except ValueError` (or FileNotFoundError) still works
+            assert issubclass(cls, ValueError | FileNotFoundError | RuntimeError), cls
+    assert not issubclass(errors.NonFiniteLossError, ValueError)
+    for module, names in ERROR_HOMES.items():
+        for name in names:
+            assert getattr(importlib.import_module(module), name) is getattr(errors, name), (module, name)
+
+
+BUILTIN_RAISE = r"raise (ValueError|TypeError|KeyError|RuntimeError|FileNotFoundError|FileExistsError)\("
+ALLOWED_BUILTIN = {"specjax/trees.py": 1}  # a programming error, not a user's: a search tree has no layout
+
+
+def test_the_library_raises_no_bare_builtin_for_a_users_mistake():
+    import re
+    from pathlib import Path
+
+    root = Path(errors.__file__).parent
+    found = {}
+    for path in root.rglob("*.py"):
+        n = len(re.findall(BUILTIN_RAISE, path.read_text()))
+        if n:
+            found[str(path.relative_to(root.parent))] = n
+    assert found == ALLOWED_BUILTIN
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: Sampler(temperature=1.0, top_p=0.0), "SamplingError"),
+        (lambda: __import__("specjax.drafters.registry").drafters.registry.get("nope"), "DrafterError"),
+        (lambda: __import__("specjax.acceptance").acceptance.get("nope"), "SamplingError"),
+        (lambda: __import__("specjax.trees").trees.chain(0), "TreeError"),
+        (
+            lambda: __import__("specjax.decoding.adaptive").decoding.adaptive.AdaptiveK.parse("2,1"),
+            "DrafterError",
+        ),
+        (lambda: encode_prompts(None, []), "DecodingError"),
+        (lambda: TINY.replace(dtype="float8"), "ConfigError"),
+    ],
+)
+def test_library_errors_are_typed(call, error):
+    with pytest.raises(getattr(errors, error)) as caught:
+        call()
+    assert isinstance(caught.value, errors.SpecjaxError) and isinstance(caught.value, ValueError)

@@ -18,7 +18,7 @@ LAYERS = [
         "foundations",
         "specjax specjax.models specjax.drafters specjax.training specjax.files specjax.sampling specjax.cache "
         "specjax.metrics specjax.analysis specjax.results specjax.tokenizer specjax.models.config "
-        "specjax.drafters.registry specjax.precision",
+        "specjax.drafters.registry specjax.precision specjax.errors",
     ),
     ("model", "specjax.models.llama specjax.models.weights specjax.models.quantize specjax.sharding specjax.layouts"),
     ("model files", "specjax.models.store specjax.models.loading specjax.models.conversion"),

@@ -291,7 +291,7 @@ def test_cli_refuses_bad_values_before_loading_the_model(monkeypatch, capsys):
         run_cli(module, capsys, "--drafter=quantized", "--bits=5")
     with pytest.raises(QuantizationError, match="--quantize='int3' is not understood"):
         run_cli(module, capsys, "--quantize=int3")
-    with pytest.raises(ValueError, match="--bits need a drafter"):
+    with pytest.raises(ValueError, match="--bits needs a drafter"):
         run_cli(module, capsys, "--bits=4")
 
 
@@ -326,3 +326,19 @@ def test_report_measurements(capsys):
         for key in sorted(k for k in MEASURED if k.startswith("tau")):
             tau, efficiency = MEASURED[key]
             print(f"  {key}: tau {tau:.2f}, draft efficiency {efficiency:.2f}")
+
+
+def test_group_sizes_are_checked_against_the_models_widths(stories):
+    """A group must divide the model's width (the input of attention, MLP-in and LM head): int4:7 and int8:48
+    are refused naming a group that fits; one that divides the width but not the MLP's hidden width (172) is
+    the documented shorter last group. An explicit group of 0 is refused by --quantize."""
+    cfg = stories.cfg
+    for bad in (7, 48, 128):
+        with pytest.raises(
+            QuantizationError, match=rf"a group of {bad} input columns does not divide .*e\.g\. 64"
+        ):
+            Quantization(4, bad).check(cfg)
+    for good in (0, 8, 32, 64):
+        Quantization(4, good).check(cfg)
+    with pytest.raises(QuantizationError, match="asks for groups of 0 columns"):
+        parse_quantization("int4:0")

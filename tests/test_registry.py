@@ -128,7 +128,7 @@ def test_registered_drafter_and_rule_through_the_cli(repeat_last, greedy_anew, c
     spec = run_cli(module, capsys, "--drafter=repeat_last", "--k=2", "--acceptance=greedy_anew")
     assert story(spec) == story(ar) and "Once upon a time" in story(ar)
     assert "K=2, acceptance greedy_anew: tau" in spec
-    with pytest.raises(ValueError, match="--k need a drafter"):
+    with pytest.raises(ValueError, match="--k needs a drafter"):
         run_cli(module, capsys, "--k=2")
     with pytest.raises(ValueError, match="--heads do not apply to --drafter=repeat_last"):
         run_cli(module, capsys, "--drafter=repeat_last", "--heads=x")

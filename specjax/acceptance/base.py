@@ -11,6 +11,8 @@ from typing import ClassVar, Protocol
 
 import jax
 
+from specjax.errors import SamplingError
+
 
 class AcceptanceRule(Protocol):
     name: ClassVar[str]  # the registry name; a lossy rule says so in it
@@ -37,5 +39,5 @@ def register(rule_cls: type) -> type:
 def get(name: str, **settings) -> AcceptanceRule:
     """The registered rule `name` built with `settings`; an unknown name is an error listing the known ones."""
     if name not in RULES:
-        raise ValueError(f"unknown acceptance rule {name!r}; choose one of {sorted(RULES)}")
+        raise SamplingError(f"unknown acceptance rule {name!r}; choose one of {sorted(RULES)}")
     return RULES[name](**settings)

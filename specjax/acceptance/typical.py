@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from specjax.acceptance.base import register
 from specjax.acceptance.greedy import first_rejection, greedy_chain, greedy_tree
+from specjax.errors import SamplingError
 from specjax.sampling import argmax
 
 
@@ -45,7 +46,7 @@ class TypicalLossy:
 
     def __post_init__(self):
         if not (self.epsilon >= 0 and self.delta >= 0):
-            raise ValueError(
+            raise SamplingError(
                 f"typical acceptance needs epsilon >= 0 and delta >= 0, got {self.epsilon}, {self.delta}"
             )
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.analysis import expected_tokens_by_position
+from specjax.errors import DrafterError
 
 
 @struct.dataclass
@@ -50,19 +51,19 @@ class AdaptiveK:
     def __post_init__(self):
         ks = tuple(self.ks)
         if not ks or any(not isinstance(k, int) or k < 1 for k in ks) or list(ks) != sorted(set(ks)):
-            raise ValueError(
+            raise DrafterError(
                 f"adaptive K needs increasing distinct integers >= 1, e.g. 1,2,4,8; got {list(ks)}"
             )
         object.__setattr__(self, "ks", ks)
         if self.costs is not None:
             costs = tuple(float(c) for c in self.costs)
             if len(costs) != len(ks) or min(costs) <= 0:
-                raise ValueError(f"adaptive K needs one positive round cost per K in {ks}; got {costs}")
+                raise DrafterError(f"adaptive K needs one positive round cost per K in {ks}; got {costs}")
             object.__setattr__(self, "costs", costs)
         if not (
             0 <= self.decay < 1 and (self.prior is None or 0 < self.prior < 1) and self.prior_weight > 0
         ):
-            raise ValueError(
+            raise DrafterError(
                 "adaptive K needs 0 <= decay < 1, 0 < prior < 1 and prior_weight > 0; got "
                 f"decay={self.decay}, prior={self.prior}, prior_weight={self.prior_weight}"
             )
@@ -76,7 +77,7 @@ class AdaptiveK:
         except ValueError as err:
             if "adaptive K" in str(err):
                 raise
-            raise ValueError(f"cannot read adaptive K {text!r}: give draft lengths like 1,2,4,8") from err
+            raise DrafterError(f"cannot read adaptive K {text!r}: give draft lengths like 1,2,4,8") from err
 
     @property
     def k_max(self) -> int:

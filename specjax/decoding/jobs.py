@@ -11,6 +11,7 @@ from specjax import precision
 from specjax.acceptance import AcceptanceRule
 from specjax.acceptance.rejection import TokenWise
 from specjax.decoding.adaptive import AdaptiveK
+from specjax.errors import DecodingError
 from specjax.models.config import LlamaConfig
 from specjax.sampling import Sampler
 from specjax.trees import Chain
@@ -49,7 +50,7 @@ def job_key(seed: int) -> jax.Array:
 def pad_prompts(prompts: list[list[int]], bucket: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads token lists into `[B, P]` (P: longest prompt rounded up to `bucket`) plus lengths `[B]`."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (BOS counts); got an empty prompt")
+        raise DecodingError("every prompt needs at least one token (BOS counts); got an empty prompt")
     width = -(-max(map(len, prompts)) // bucket) * bucket
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, p in enumerate(prompts):
@@ -61,13 +62,13 @@ def cache_size_for(cfg: LlamaConfig, prompt_width: int, new_tokens: int, request
     """Cache slots for a job, checked against the model's context; raises before any compile."""
     need = prompt_width + new_tokens
     if need > cfg.max_seq_len:
-        raise ValueError(
+        raise DecodingError(
             f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} exceeds the "
             f"model's context of {cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
         )
     if requested:
         if need > requested:
-            raise ValueError(
+            raise DecodingError(
                 f"prompt ({prompt_width} tokens, padded) + {new_tokens} new tokens = {need} does not "
                 f"fit the KV cache of {requested} slots; raise cache_size or shorten the job"
             )
@@ -79,10 +80,10 @@ def prepare(cfg: LlamaConfig, prompts: list[list[int]], spec: GenerateSpec, buck
     """Validates a job and pads it: (tokens [B, P], lengths [B], spec with its cache size), before any
     compile."""
     if spec.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {spec.max_new_tokens}")
+        raise DecodingError(f"max_new_tokens must be >= 1, got {spec.max_new_tokens}")
     tokens, lengths = pad_prompts(prompts, bucket)
     if tokens.max() >= cfg.vocab_size or tokens.min() < 0:
-        raise ValueError(
+        raise DecodingError(
             f"prompt token ids must lie in [0, {cfg.vocab_size}), the model's vocabulary; got "
             f"{int(tokens.min())}..{int(tokens.max())}: the tokenizer does not belong to this model"
         )
@@ -99,7 +100,7 @@ def prepare_speculative(
     shape = drafter.shape
     drafter.validate(cfg)
     if shape.width > cfg.vocab_size:
-        raise ValueError(
+        raise DecodingError(
             f"{shape.describe()} drafts {shape.width} candidates per node, more than the model's vocabulary "
             f"of {cfg.vocab_size}; draft a narrower tree"
         )
@@ -107,9 +108,14 @@ def prepare_speculative(
         check_adaptive(drafter, spec.adaptive_k)
     tokens, lengths, _ = prepare(cfg, prompts, dataclasses.replace(spec, cache_size=0), bucket)
     width, slots = tokens.shape[1], shape.cache_slots
+    if width + shape.depth > cfg.max_seq_len:
+        raise DecodingError(
+            f"K={shape.depth} draft tokens per round do not fit the model's context of {cfg.max_seq_len} after a "
+            f"prompt of {width} tokens (padded); pass --k={cfg.max_seq_len - width} or less"
+        )
     need = width + spec.max_new_tokens + slots
     if spec.cache_size and need > spec.cache_size:
-        raise ValueError(
+        raise DecodingError(
             f"{shape.describe()} does not fit: prompt ({width}, padded) + {spec.max_new_tokens} new tokens "
             f"+ {slots} verification slots = {need} > cache_size {spec.cache_size}; "
             "draft less or raise the cache"
@@ -122,12 +128,12 @@ def check_adaptive(drafter, adaptive: AdaptiveK) -> None:
     """Adaptive K drafts chains with `drafter.with_k(K)` for each K, sharing the state of the drafter built for
     the largest K; raises before any compile if `drafter` cannot."""
     if not hasattr(drafter, "with_k"):
-        raise ValueError(
+        raise DecodingError(
             f"{type(drafter).__name__} cannot change its draft length per round (no `with_k`); "
             "drop adaptive K or use a drafter that has it (draft_model, eagle, medusa)"
         )
     if drafter.shape != Chain(adaptive.k_max):
-        raise ValueError(
+        raise DecodingError(
             f"{adaptive.describe()} drafts chains: build the drafter as a chain of the largest K "
             f"(k={adaptive.k_max}), not {drafter.shape.describe()}"
         )

@@ -14,6 +14,7 @@ from typing import Protocol
 import jax
 from flax import nnx
 
+from specjax.errors import DrafterError
 from specjax.trees import Chain
 
 
@@ -61,7 +62,7 @@ class KOrTree:
 
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.depth:
-            raise ValueError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
+            raise DrafterError(f"k={self.k} must equal the tree's depth {self.tree.depth}")
 
     @property
     def shape(self):

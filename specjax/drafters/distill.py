@@ -27,6 +27,7 @@ from specjax.decoding.jobs import GenerateSpec
 from specjax.drafters import registry
 from specjax.drafters.base import target_io
 from specjax.drafters.draft_model import DraftModel
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
 from specjax.sampling import Sampler
@@ -228,7 +229,7 @@ def export_model(workdir: str | Path, dest: str | Path, target_dir: str | Path) 
     target = load_model(str(target_dir))
     meta, _, params = heads.load_heads(workdir, target.cfg, target.params)
     if meta["method"] != "distill":
-        raise ValueError(
+        raise HeadsError(
             f"{workdir} holds {meta['method']} heads, not a distilled draft; pass a distill run"
         )
     cfg = draft_config(meta["shape"], target.cfg)

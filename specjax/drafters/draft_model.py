@@ -10,6 +10,7 @@ from flax import nnx
 from specjax.decoding.prefill import prefill
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree
+from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward
 from specjax.models.loading import load_model
@@ -31,7 +32,7 @@ class DraftModel(KOrTree):
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if self.cfg.vocab_size != target_cfg.vocab_size:
-            raise ValueError(
+            raise DrafterError(
                 f"draft model vocabulary ({self.cfg.vocab_size}) differs from the target's "
                 f"({target_cfg.vocab_size}): the drafter must share the target's tokenizer"
             )
@@ -74,7 +75,7 @@ def truncated_target(cfg: LlamaConfig, params, n_layers: int):
     """(cfg, graphdef, params) of the target's first `n_layers` blocks with its embedding, final norm and
     head: a draft model that needs no training."""
     if not 1 <= n_layers <= cfg.n_layers:
-        raise ValueError(f"a truncated draft needs 1..{cfg.n_layers} layers, got {n_layers}")
+        raise DrafterError(f"a truncated draft needs 1..{cfg.n_layers} layers, got {n_layers}")
     pure = nnx.to_pure_dict(params)
     pure["layers"] = {i: pure["layers"][i] for i in range(n_layers)}
     small = cfg.replace(n_layers=n_layers)

@@ -22,6 +22,7 @@ from flax import nnx, struct
 from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
+from specjax.errors import HeadsError
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
 from specjax.models.weights import CheckpointError
@@ -99,7 +100,7 @@ class Eagle(KOrTree):
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.layer_cfg
         if layer_config(target_cfg).replace(dtype=mine.dtype, max_seq_len=mine.max_seq_len) != mine:
-            raise ValueError(
+            raise HeadsError(
                 f"this EAGLE head was built for a target with vocabulary {self.layer_cfg.vocab_size} "
                 f"and width {self.layer_cfg.dim}, not vocabulary {target_cfg.vocab_size} and width "
                 f"{target_cfg.dim} (or another layer shape): train a head for this target"
@@ -266,7 +267,7 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
 
 def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
     if meta["shape"].get("input_norm", True):
-        raise ValueError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
+        raise HeadsError(f"this EAGLE head cannot be exported to the published layout: {EAGLE12}")
     t = {
         "fc.weight": p["fc"]["weight"],
         "fc.bias": p["fc"]["bias"],

@@ -26,6 +26,7 @@ from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import target_io
 from specjax.drafters.eagle import Eagle, check_published_layer, layer_config
+from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, rope_angles
 from specjax.models.weights import CheckpointError
@@ -155,7 +156,7 @@ class Eagle3(Eagle):
     def validate(self, target_cfg: LlamaConfig) -> None:
         super().validate(target_cfg)
         if not self.feature_taps or max(self.feature_taps) >= target_cfg.n_layers:
-            raise ValueError(
+            raise HeadsError(
                 f"this EAGLE-3 head fuses layers {list(self.feature_taps)} but the target has "
                 f"{target_cfg.n_layers} layers: train a head for this target"
             )
@@ -232,14 +233,14 @@ def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens) -> dict:
     """The head's shape in heads.json: its fused layers and draft vocabulary (None: the target's)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers))
     if max(layers) >= target_cfg.n_layers:
-        raise ValueError(
+        raise HeadsError(
             f"config heads.layers={layers} names a layer the {target_cfg.n_layers}-layer target does not "
             f"have; use indices below {target_cfg.n_layers}"
         )
     ids = None
     if 0 < h.draft_vocab < target_cfg.vocab_size:
         if tokens is None:
-            raise ValueError("a reduced draft vocabulary is chosen from training tokens; none were given")
+            raise HeadsError("a reduced draft vocabulary is chosen from training tokens; none were given")
         ids = frequent_tokens(tokens, h.draft_vocab, target_cfg.vocab_size)
     return {"layers": layers, "draft_ids": ids}
 

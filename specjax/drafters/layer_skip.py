@@ -40,6 +40,7 @@ from specjax.decoding import GenerateSpec, generate
 from specjax.decoding.jobs import pad_prompts
 from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.errors import LayerSkipError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache
 
@@ -49,10 +50,6 @@ CALIBRATION_TEXTS = (
     "One day, a girl named",
     "The sun was hot and the",
 )
-
-
-class LayerSkipError(ValueError):
-    """Invalid layer-skip settings; the message says what is wrong and how to fix it."""
 
 
 def _listed_layers(layers: str) -> list[int]:

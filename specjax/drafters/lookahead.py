@@ -37,11 +37,8 @@ from flax import struct
 
 from specjax.drafters import registry
 from specjax.drafters.ngram import branch_tree
+from specjax.errors import LookaheadError
 from specjax.layouts import Draft, TreeLayout
-
-
-class LookaheadError(ValueError):
-    """Invalid lookahead settings; the message says what is wrong and how to fix it."""
 
 
 def pool_insert(pool_BCN, stamp_BC, clock_B, grams_BXN, valid_BX):

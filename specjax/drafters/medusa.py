@@ -17,6 +17,7 @@ from flax import nnx
 from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import KOrTree, target_io
+from specjax.errors import HeadsError
 from specjax.layouts import Draft
 from specjax.models.config import LlamaConfig
 from specjax.sampling import argmax
@@ -70,19 +71,19 @@ class Medusa(KOrTree):
     def __post_init__(self):
         super().__post_init__()
         if self.shape.dynamic:
-            raise ValueError(
+            raise HeadsError(
                 "Medusa drafts static trees only (its candidates do not depend on their parents); "
                 "use a preset or explicit paths, or EAGLE for dynamic trees"
             )
         if not 1 <= self.k <= self.num_heads:
-            raise ValueError(
+            raise HeadsError(
                 f"Medusa with {self.num_heads} heads drafts 1..{self.num_heads} tokens deep; got "
                 f"k={self.k}: lower k, use a shallower tree, or train more heads"
             )
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         if (self.vocab_size, self.dim) != (target_cfg.vocab_size, target_cfg.dim):
-            raise ValueError(
+            raise HeadsError(
                 f"Medusa heads for vocabulary {self.vocab_size} and width {self.dim} cannot serve a "
                 f"target with vocabulary {target_cfg.vocab_size} and width {target_cfg.dim}: "
                 "train heads for this target"

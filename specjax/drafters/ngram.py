@@ -28,12 +28,9 @@ import numbers
 import jax.numpy as jnp
 
 from specjax.drafters import registry
+from specjax.errors import NGramError
 from specjax.layouts import Draft
 from specjax.trees import Chain, Tree
-
-
-class NGramError(ValueError):
-    """Invalid n-gram drafter settings; the message says what is wrong and how to fix it."""
 
 
 def branch_tree(branches: int, k: int) -> Tree:

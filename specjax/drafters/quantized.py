@@ -41,7 +41,9 @@ class QuantizedSettings:
 def build(target, settings: QuantizedSettings, k: int, tree, sampler):
     """(DraftModel over the quantised target, its params: ints and scales, the float embedding and norms
     shared with the target)."""
-    graphdef, params = quantize_model(target.graphdef, target.params, settings.quantization())
+    quantization = settings.quantization()
+    quantization.check(target.cfg)
+    graphdef, params = quantize_model(target.graphdef, target.params, quantization)
     return DraftModel(target.cfg, graphdef, k, sampler, tree), params
 
 

@@ -12,6 +12,8 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
+from specjax.errors import DrafterError
+
 BUILTIN = (
     "draft_model",
     "medusa",
@@ -118,7 +120,7 @@ def get(name: str) -> Entry:
     """The registered drafter `name`; an unknown name is an error listing the known ones."""
     _load_builtins()
     if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {sorted(DRAFTERS)}")
+        raise DrafterError(f"unknown drafter {name!r}; choose one of {sorted(DRAFTERS)}")
     return DRAFTERS[name]
 
 
@@ -131,5 +133,5 @@ def head_methods() -> list[str]:
 def trained(name: str) -> TrainedHeads:
     """The trained-head description of drafter `name`; an error if it trains no heads."""
     if name not in head_methods():
-        raise ValueError(f"{name!r} is not a drafter with trained heads; choose one of {head_methods()}")
+        raise DrafterError(f"{name!r} is not a drafter with trained heads; choose one of {head_methods()}")
     return DRAFTERS[name].heads

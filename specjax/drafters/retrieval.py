@@ -33,13 +33,10 @@ import numpy as np
 from specjax.datastore import Datastore, open_datastore
 from specjax.drafters import registry
 from specjax.drafters.ngram import branch_tree
+from specjax.errors import RetrievalError
 from specjax.layouts import Draft
 from specjax.training.data import check_token_range
 from specjax.trees import Chain, Tree
-
-
-class RetrievalError(ValueError):
-    """Invalid retrieval drafter settings; the message says what is wrong and how to fix it."""
 
 
 def _read(corpus_R, pos):

@@ -7,12 +7,10 @@ import math
 
 import numpy as np
 
+from specjax.errors import ConfigError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A model configuration specjax cannot run, with the reason and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

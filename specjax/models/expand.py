@@ -40,6 +40,7 @@ from flax import nnx
 
 from specjax import heads
 from specjax.drafters import registry
+from specjax.errors import ConfigError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import build_params
 
@@ -77,7 +78,7 @@ class Expansion:
                 f"{cfg.n_heads}/{cfg.n_kv_heads}"
             )
         if problems:
-            raise ValueError(f"cannot expand: {'; '.join(problems)}; choose a larger expansion")
+            raise ConfigError(f"cannot expand: {'; '.join(problems)}; choose a larger expansion")
         return cfg.replace(
             dim=self.dim,
             n_layers=self.n_layers,
@@ -223,7 +224,7 @@ def truncated_original(cfg: LlamaConfig, expanded_params, expansion: Expansion, 
     `n_original`), its embedding, final norm and head, skipping the inserted layers between them: the small
     model's own truncated draft at the wide model's per-layer cost. `cfg` is the expanded config."""
     if not 1 <= n < n_original:
-        raise ValueError(
+        raise ConfigError(
             f"a truncated draft takes 1..{n_original - 1} of the {n_original} original layers, got {n} "
             "(all of them is the target itself)"
         )
@@ -247,7 +248,7 @@ def expand_heads(
     zero), at the cost of heads of the wide target."""
     expandable = sorted(m for m in registry.head_methods() if registry.trained(m).expand is not None)
     if meta["method"] not in expandable:
-        raise ValueError(
+        raise ConfigError(
             f"cannot expand heads of method {meta['method']!r}; expandable: {', '.join(expandable)}"
         )
     p = jax.tree.map(lambda x: np.asarray(x, np.float32), _pure(head_params))

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from specjax.errors import MissingInputError
 from specjax.models import store
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
@@ -52,7 +53,7 @@ def resolve(name: str | None = None) -> Path:
         return _download(HUB_REPO, HUB_FILES, name)
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return _download(name, None, name)
-    raise FileNotFoundError(
+    raise MissingInputError(
         f"model {name!r} is neither a local path nor a hub repository id (org/name); pass an existing model "
         f"directory or file, a hub id, or {DEFAULT_MODEL}"
     )
@@ -69,7 +70,7 @@ def _download(repo: str, files: tuple[str, ...] | None, name: str) -> Path:
         local = [hub.hf_hub_download(repo, f) for f in files]
         return Path(local[0]).parent
     except Exception as err:  # offline, unknown repo, no permission
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"model {name!r} was not found locally and could not be downloaded from the Hugging Face hub "
             f"repository {repo!r} ({type(err).__name__}). Put the files in a directory and pass its path, or set "
             f"SPECJAX_MODELS to a folder holding {name}/ (for stories260K: {', '.join(HUB_FILES)} from "
@@ -89,7 +90,7 @@ def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     else:
         raise CheckpointError(f"no tokenizer (tokenizer.json, *.model or tok*.bin) found in {folder}")
     if tok.vocab_size > vocab_size:
-        raise ValueError(
+        raise CheckpointError(
             f"tokenizer in {folder} has {tok.vocab_size} tokens but the model's vocabulary is "
             f"{vocab_size}: they do not belong together"
         )

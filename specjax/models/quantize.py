@@ -22,15 +22,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
+from specjax.errors import QuantizationError
 from specjax.models.llama import Linear, replace_linears
 
 INT_DTYPES = {8: jnp.int8, 4: jnp.int4}
-
-
-class QuantizationError(ValueError):
-    """Invalid quantisation settings; the message says what is wrong and how to fix it."""
+_WARNED: set[int] = set()  # group sizes whose shorter last group was announced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +49,30 @@ class Quantization:
                 "output channel or the input columns per scale (e.g. 32)"
             )
 
+    def check(self, cfg) -> None:
+        """Refuses (QuantizationError) a group size that does not divide the model's width (the input of its
+        attention, MLP-in and LM-head matrices); where it does not divide the MLP's hidden width, the down
+        projection's rows end in a shorter group (the rule of the class docstring), said once in a warning."""
+        g = self.group_size
+        widths = {"the model's width (dim)": cfg.dim, "the attention output": cfg.n_heads * cfg.head_dim}
+        bad = {name: n for name, n in widths.items() if g and n % g}
+        if bad:
+            common = math.gcd(*widths.values())
+            fits = [2**i for i in range(3, 8) if common % 2**i == 0] or [common]
+            raise QuantizationError(
+                f"a group of {g} input columns does not divide {', '.join(f'{k} {v}' for k, v in bad.items())}; "
+                f"pass a group size that divides {common} (e.g. {fits[-1]}), or 0 for one scale per output channel"
+            )
+        if g and cfg.hidden_dim % g and g not in _WARNED:
+            _WARNED.add(g)
+            logging.warning(
+                "a group of %d does not divide the MLP's hidden width %d: each row of the down projection ends "
+                "in a group of %d columns",
+                g,
+                cfg.hidden_dim,
+                cfg.hidden_dim % g,
+            )
+
     @property
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1  # symmetric: -qmax..qmax (int4 never uses -8)
@@ -66,6 +89,11 @@ def parse_quantization(text: str) -> Quantization | None:
         return None
     name, _, group = text.partition(":")
     bits = {"int8": 8, "int4": 4}.get(name)
+    if bits is not None and group.isdigit() and int(group) == 0:
+        raise QuantizationError(
+            f"--quantize={text!r} asks for groups of 0 columns; pass {name}:GROUP_SIZE with a group >= 1 (e.g. "
+            f"{name}:32), or int8 for one scale per output channel"
+        )
     if bits is None or (group and not group.isdigit()):
         raise QuantizationError(
             f"--quantize={text!r} is not understood; pass int8, int4 or int4:GROUP_SIZE (e.g. int4:64)"

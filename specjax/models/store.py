@@ -15,10 +15,13 @@ trainer state).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import shutil
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,7 +133,7 @@ def restore_model(
     places = shardings(pure) if shardings else jax.tree.map(lambda _: None, pure)
     target = jax.tree.map(lambda s, at: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=at), pure, places)
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with ocp.StandardCheckpointer() as ckptr, quiet_failed_reads():
             pure = ckptr.restore(path / "params", target)
     except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
         raise CheckpointError(
@@ -147,8 +150,38 @@ def restore_step(manager, step: int, failure: str, remedy: str, **items):
     import orbax.checkpoint as ocp
 
     try:
-        return manager.restore(step, args=ocp.args.Composite(**items))
+        with quiet_failed_reads():
+            return manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as err:  # Orbax/tensorstore raise many types for damaged or missing files
         raise CheckpointError(
             f"cannot {failure} ({type(err).__name__}: {str(err)[:300]}); the checkpoint is corrupt: {remedy}"
         ) from err
+
+
+def _read_aftermath(unraisable) -> bool:
+    """Whether an unraisable exception is the aftermath of a failed Orbax read (see `quiet_failed_reads`)."""
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+        unraisable.exc_value
+    ):
+        return True
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    return any("orbax" in f.filename or "tensorstore" in f.filename for f in frames) or "orbax" in repr(
+        unraisable.object
+    )
+
+
+@contextlib.contextmanager
+def quiet_failed_reads():
+    """Reads of a damaged checkpoint fail in Orbax's background coroutines, which outlive the failed restore and
+    report to `sys.unraisablehook` ('Event loop is closed', 'Encountered error while reading array index') before
+    or after the one-line error that names the checkpoint; after a failed restore they stay quiet for the rest
+    of the process (other unraisable exceptions are reported as before)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _read_aftermath(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    yield  # an exception here leaves the hook in place
+    sys.unraisablehook = previous

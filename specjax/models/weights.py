@@ -11,12 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.errors import CheckpointError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import abstract_model
-
-
-class CheckpointError(ValueError):
-    """A missing, corrupt or mismatched weight file; the message names the file and the fix."""
 
 
 def build_params(cfg: LlamaConfig, pure: dict):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.errors import ChatDataError
+
 ROLES = {
     "system": "system",
     "user": "user",
@@ -27,10 +29,6 @@ ROLES = {
     "bing": "assistant",
     "model": "assistant",
 }
-
-
-class ChatDataError(ValueError):
-    """Conversation data or a chat template that cannot be used; the message names the line or setting and the fix."""
 
 
 def is_conversation_file(path: str | Path) -> bool:

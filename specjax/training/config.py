@@ -13,10 +13,7 @@ from pathlib import Path
 import ml_collections
 
 from specjax import precision
-
-
-class TrainingConfigError(ValueError):
-    """A training setting that cannot work; the message names the key, the value and the fix."""
+from specjax.errors import TrainingConfigError
 
 
 def _head_settings(method: str) -> type:

@@ -25,12 +25,9 @@ from absl import logging
 
 from specjax import cli, files
 from specjax.decoding import GenerateSpec, generate
+from specjax.errors import DataError, MissingInputError
 from specjax.sampling import Sampler
 from specjax.training import chat
-
-
-class DataError(ValueError):
-    """Training data that cannot be used as it is; the message names the file or setting and the fix."""
 
 
 class Corpus(NamedTuple):
@@ -64,18 +61,21 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         )
 
 
-def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
-    """Token ids (BOS first) of each document of a `.txt` or `.jsonl` file."""
+def read_documents(
+    path: str | Path, tokenizer, what: str = "training text", flag: str = "data.source"
+) -> list[list[int]]:
+    """Token ids (BOS first) of each document of a `.txt` or `.jsonl` file; errors call it `what`, set by
+    `flag` (the datastore's corpus: what="corpus", flag="--corpus")."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(
-            f"training text {path} does not exist; set data.source to a .txt or .jsonl file"
-        )
+        raise MissingInputError(f"{what} {path} does not exist; set {flag} to a .txt or .jsonl file")
+    if path.is_dir():
+        raise DataError(f"{what} {path} is a directory; set {flag} to a .txt or .jsonl file")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise DataError(
-            f"training text {path} is not UTF-8 text ({err.reason} at byte {err.start}); set data.source to a "
+            f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start}); set {flag} to a "
             ".txt or .jsonl file"
         ) from err
     docs = []
@@ -95,7 +95,7 @@ def read_documents(path: str | Path, tokenizer) -> list[list[int]]:
             text = line
         docs.append(tokenizer.encode(text))
     if not docs:
-        raise DataError(f"training text {path} holds no document (every line is blank); add text to it")
+        raise DataError(f"{what} {path} holds no document (every line is blank); add text to it")
     return docs
 
 
@@ -380,7 +380,7 @@ class FeatureStore:
     def __init__(self, folder: str | Path, provenance: dict | None = None):
         folder = Path(folder).absolute()
         if not (folder / MANIFEST).exists():
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"{folder} has no {MANIFEST}: the feature store is missing or was not finished; rebuild it"
             )
         self.manifest = json.loads((folder / MANIFEST).read_text())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import TrainingConfigError
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 
 
@@ -35,7 +37,7 @@ def divergence(name: str, target_logits, draft_logits, temperature: float = 1.0,
         return beta * _kl(logp, logm) + (1 - beta) * _kl(logq, logm)
     if name == "tvd":
         return tvd(logp, logq)
-    raise ValueError(f"unknown divergence {name!r}; choose one of {DIVERGENCES}")
+    raise TrainingConfigError(f"unknown divergence {name!r}; choose one of {DIVERGENCES}")
 
 
 def tvd(logp, logq):

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import files, heads, precision, sharding
 from specjax.drafters import registry
+from specjax.errors import NonFiniteLossError
 from specjax.models.conversion import converted
 from specjax.models.loading import load_tokenizer
 from specjax.models.store import identity, restore_model, restore_step
@@ -42,10 +43,6 @@ from specjax.training import data, losses
 from specjax.training.config import OPERATIONAL, TrainingConfigError, flatten, validate
 
 CONFIG = "config.json"  # the resolved config of the run that started the workdir, and the target's identity
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient became NaN or infinite; the run stopped and kept its last good checkpoint."""
 
 
 def make_optimizer(opt, steps: int) -> optax.GradientTransformation:

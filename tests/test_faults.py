@@ -1,0 +1,196 @@
+"""Every writer killed (as SIGKILL would) at >= 20 points of its run, in this process (`faults`): after each kill
+the user's files are byte-identical and a reader sees nothing, the previous output or the finished one, never a
+half-written one; the re-run ends in the bytes of an uninterrupted run. The fault table is printed at the end
+(`pytest -s tests/test_faults.py`)."""
+
+import json
+import re
+
+import pytest
+from conftest import HEADS, STORIES
+from faults import Row, run_faults
+
+from specjax import checkpoint, datastore, errors, heads, results
+
+TABLE: list[Row] = []
+REFUSALS = (errors.SpecjaxError, FileNotFoundError)
+STAMP = {"date": "2026-01-01", "commit": "abc", "device": "cpu", "command": "make tables"}
+STORY = "Once upon a time, there was a little {} named {}. {} liked to play in the park with a red ball.\n"
+
+
+def user_files(folder):
+    """The user's files beside the output: they must come out of every kill byte-identical."""
+    (folder / "mine").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine, not specjax's\n")
+    (folder / "mine" / "data.bin").write_bytes(bytes(range(256)) * 3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_table():
+    yield
+    print(
+        "\n| writer | steps | kill points | resumed | restarted | re-run refused (output whole) | read refused "
+        "| corrupt reads | changed user files |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in TABLE:
+        print(row.line())
+
+
+def check(row: Row) -> None:
+    TABLE.append(row)
+    assert (
+        row.kill_points >= min(20, row.steps) and row.corrupt_reads == 0 and row.changed_user_files == 0
+    ), row
+
+
+def table_rows(scale):
+    return [{"drafter": d, "tau": 1.5 * scale + i, "speedup": 1.1 * scale} for i, d in enumerate("abc")]
+
+
+def test_results_tables(tmp_path):
+    """`make tables`' writer: two tables (.md and .csv each) replacing the previous run's; each file is always
+    the old or the new one, whole."""
+    names = [f"{t}.{x}" for t in ("spec", "heads") for x in ("md", "csv")]
+
+    def write_all(folder, scale):
+        for t in ("spec", "heads"):
+            results.write_table(folder / "out", t, table_rows(scale), f"Table {t}", "notes", STAMP)
+
+    def prepare(folder):
+        user_files(folder)
+        write_all(folder, 1)
+
+    def read(folder):
+        return tuple((folder / "out" / n).read_text() for n in names)
+
+    def whole(seen, before, expected):
+        return all(s in (b, e) for s, b, e in zip(seen, before, expected, strict=True))
+
+    check(
+        run_faults(
+            "results/ (make tables)", tmp_path, prepare, lambda f: write_all(f, 2), read, whole=whole
+        )
+    )
+
+
+def test_retrieval_datastore(tmp_path, stories):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(
+        "".join(STORY.format(a, n, n) for a in ("dog", "cat", "bird") for n in ("Rex", "Tom"))
+    )
+
+    def read(folder):
+        store = datastore.load(folder / "out")
+        manifest = {k: v for k, v in store.manifest.items() if k != "build_s"}
+        return store.tokens_R.tobytes(), store.suffix_R.tobytes(), json.dumps(manifest, sort_keys=True)
+
+    row = run_faults(
+        "retrieval datastore",
+        tmp_path,
+        user_files,
+        lambda f: datastore.build(corpus, stories.tokenizer, f / "out"),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
+def test_head_export(tmp_path):
+    def read(folder):
+        heads.read_meta(folder / "out")
+        return sorted(
+            (p.relative_to(folder / "out").as_posix(), p.read_bytes())
+            for p in (folder / "out").rglob("*")
+            if p.is_file()
+        )
+
+    row = run_faults(
+        "head export",
+        tmp_path,
+        user_files,
+        lambda f: heads.export(HEADS / "stories260K_medusa", f / "out"),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
+def test_convert(tmp_path):
+    """`python -m specjax.convert` (checkpoint.convert): a reader takes a folder with its marker as a checkpoint."""
+
+    def read(folder):
+        meta = json.loads((folder / "out" / checkpoint.MARKER).read_text())
+        meta["source"].pop("converted", None)
+        params = sorted(  # Orbax names its data files by random hashes, how many varies
+            {
+                re.sub("[0-9a-f]{32}", "H", p.relative_to(folder / "out").as_posix())
+                for p in (folder / "out" / "params").rglob("*")
+            }
+        )
+        tok = sorted((p.name, p.read_bytes()) for p in (folder / "out" / "tokenizer").iterdir())
+        return json.dumps(meta, sort_keys=True), params, tok
+
+    row = run_faults(
+        "specjax.convert",
+        tmp_path,
+        user_files,
+        lambda f: checkpoint.convert(str(STORIES), f / "out"),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
+# --- two writers at once ---------------------------------------------------------------------------------
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from specjax import files
+with files.writing(Path(sys.argv[1]), "output"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_writer_of_the_same_destination_is_refused_naming_the_lock(tmp_path, stories, capsys):
+    """Another process writes each destination (it holds the destination's lock, as a running datastore build,
+    conversion or export does): the datastore, the conversion and the export are refused with LockedError naming
+    `.out.writing`, the command line with one line; killed, that process leaves a lock the next run takes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(STORY.format("dog", "Rex", "Rex"))
+    writers = {
+        "datastore": lambda out: datastore.build(corpus, stories.tokenizer, out),
+        "convert": lambda out: checkpoint.convert(str(STORIES), out),
+        "export": lambda out: heads.export(HEADS / "stories260K_medusa", out),
+    }
+    for name, write in writers.items():
+        out = tmp_path / name / "out"
+        out.parent.mkdir()
+        other = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(HEADS.parent)},
+        )
+        try:
+            assert other.stdout.readline() == "held\n"
+            with pytest.raises(errors.LockedError, match=r"is writing the .* \(lock .*/\.out\.writing\)"):
+                write(out)
+            assert not out.exists() and [p.name for p in out.parent.iterdir()] == [".out.writing"]
+            if name == "export":
+                with pytest.raises(SystemExit):
+                    heads.main(["export", str(HEADS / "stories260K_medusa"), str(out)])
+                line = capsys.readouterr().err.strip()
+                assert "\n" not in line and line.startswith("error: ") and ".out.writing" in line
+        finally:
+            other.send_signal(signal.SIGKILL)
+            other.wait()
+        write(out)  # the killed writer's lock is free again
+        assert out.is_dir() and [p.name for p in out.parent.iterdir()] == ["out"]

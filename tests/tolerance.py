@@ -46,19 +46,27 @@ def tolerance(dtype, depth: int = 1, magnitude: float = 1.0, units: int = UNITS)
 
 def _bounds(actual, expected, dtype, depth, magnitude, units):
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if magnitude is None:
-        magnitude = float(np.abs(expected).max(initial=0.0))
-        if not magnitude > 0:
-            raise ValueError("expected is all zero: state the magnitude of the values this compares")
+    if magnitude is None:  # the finite values' (infinities must match exactly); all zeros: exactly zero
+        magnitude = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0))
     rtol, atol = tolerance(dtype, depth, magnitude, units)
     return actual, expected, rtol, atol
+
+
+def _used(actual, expected, rtol, atol) -> float:
+    """The largest |actual - expected| as a multiple of the tolerance at that element (0 where both are exact)."""
+    with np.errstate(invalid="ignore"):  # inf - inf: equal infinities
+        err = np.where(actual == expected, 0.0, np.abs(actual - expected))
+    bound = rtol * np.abs(expected) + atol
+    return float(
+        np.max(np.where(err > 0, err / np.maximum(bound, np.finfo(np.float64).tiny), 0.0), initial=0.0)
+    )
 
 
 def _log(actual, expected, rtol, atol):
     """With SPECJAX_TOLERANCE_LOG=file, appends the test and the fraction of its tolerance used (the margin on
     this machine)."""
     if path := os.environ.get("SPECJAX_TOLERANCE_LOG"):
-        used = float(np.max(np.abs(actual - expected) / (rtol * np.abs(expected) + atol), initial=0.0))
+        used = _used(actual, expected, rtol, atol)
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         with open(path, "a") as f:
             f.write(f"{test}\t{used:.4f}\trtol={rtol:.3g}\tatol={atol:.3g}\n")
@@ -77,7 +85,7 @@ def assert_far(actual, expected, *, dtype, depth: int = 1, magnitude=None, units
     """A negative control: somewhere `actual` misses `expected` by more than `factor` times the tolerance that
     assert_close allows, so the positive check with the same settings would catch it with room to spare."""
     actual, expected, rtol, atol = _bounds(actual, expected, dtype, depth, magnitude, units)
-    worst = float(np.max(np.abs(actual - expected) / (rtol * np.abs(expected) + atol)))
+    worst = _used(actual, expected, rtol, atol)
     assert worst > factor, f"the control differs by only {worst:.3g} x the tolerance (wanted > {factor})"
 
 

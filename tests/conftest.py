@@ -21,6 +21,8 @@ if "SPECJAX_TEST_CACHE" not in os.environ:
     _OWN_CACHE = True
 else:
     _OWN_CACHE = False
+# On an accelerator the xdist workers share one device: each takes memory as it needs it, not 75% up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 from helpers import TARGET
+from tolerance import approx, assert_far
 
 from specjax import files, heads
 from specjax.decoding import GenerateSpec, generate
@@ -115,7 +116,7 @@ def test_templates_that_cannot_be_used_are_refused(stories, tmp_path):
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_head_losses_ignore_tokens_outside_the_mask(method):
     """With the mask on tokens 0..h, changing the tokens after h (and so the target's features there) leaves the
-    loss as it is; changing a token inside changes it, as does the same change without the mask (controls)."""
+    loss as it is; changing the tokens inside changes it, as does the same change without the mask (controls)."""
     graphdef, params = TARGET
     entry = registry.trained(method)
     shape = entry.shape_of(base_config(method).heads, TINY, None)
@@ -133,11 +134,14 @@ def test_head_losses_ignore_tokens_outside_the_mask(method):
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, TINY.vocab_size, (2, t)), jnp.int32)
     after = tokens.at[:, h + 1 :].set((tokens[:, h + 1 :] + 7) % TINY.vocab_size)
-    inside = tokens.at[:, h - 1].set((tokens[:, h - 1] + 7) % TINY.vocab_size)
+    inside = tokens.at[:, 1:h].set((tokens[:, 1:h] + 7) % TINY.vocab_size)
     base = loss(tokens, mask)
-    assert loss(after, mask) == pytest.approx(base, rel=1e-6)
-    assert abs(loss(inside, mask) - base) > 1e-4
-    assert abs(loss(after, jnp.ones_like(mask)) - loss(tokens, jnp.ones_like(mask))) > 1e-4
+    depth = 2  # the target is causal: positions up to h see the same values; at most the masked mean rounds anew
+    assert loss(after, mask) == approx(base, dtype=jnp.float32, depth=depth)
+    assert_far(loss(inside, mask), base, dtype=jnp.float32, depth=depth)
+    assert_far(
+        loss(after, jnp.ones_like(mask)), loss(tokens, jnp.ones_like(mask)), dtype=jnp.float32, depth=depth
+    )
 
 
 # --- the corpus and regeneration --------------------------------------------------------------------------

@@ -10,8 +10,6 @@ from pathlib import Path
 # twice), and the xdist workers and the command-line subprocesses, which compile many of the same programs, share
 # one JAX compilation cache. Both are set by the controlling process before JAX starts, inherited by every worker
 # and subprocess; the cache is removed when the run ends.
-# xdist workers (and the subprocesses of the CLI tests) share one accelerator: none may take most of its memory
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if "SPECJAX_TEST_CACHE" not in os.environ:
     os.environ["SPECJAX_TEST_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
         prefix="specjax-tests-jax-cache-"

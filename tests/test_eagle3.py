@@ -11,7 +11,7 @@ from conftest import TINY
 from helpers import TARGET, greedy_case
 from tolerance import LAYER_DEPTH, assert_close, assert_far
 
-from specjax import heads, published, verify_exactness
+from specjax import heads, precision, published, verify_exactness
 from specjax.decoding import GenerateSpec, speculative_generate
 from specjax.drafters import registry
 from specjax.drafters.eagle import layer_config
@@ -143,6 +143,7 @@ def test_reduced_vocabulary_sampling_is_exact(monkeypatch):
 # --- training-time test -------------------------------------------------------------------------------------
 
 
+@precision.follows_params  # the reference's own products at the weights' precision, as the library's
 def unrolled_by_hand(params, graphdef, feats, tokens, step_weight, step1_input):
     """The unroll-2 loss as drafting computes it, anchor by anchor: the head reads slots 0..i with the target's
     features, then one more step at position i + 1 on `step1_input(its output, i)`, seeing slots 0..i and itself;
@@ -180,6 +181,7 @@ def unrolled_by_hand(params, graphdef, feats, tokens, step_weight, step1_input):
     return jnp.mean(jnp.stack(ces[0])) + step_weight * jnp.mean(jnp.stack(ces[1]))
 
 
+@precision.follows_params
 def eagle3_fuse(graphdef, params, taps):
     from flax import nnx
 
@@ -213,7 +215,8 @@ def test_unroll_one_is_the_teacher_forced_loss(training_case):
         init_cache(cfg, 2, n),
         jnp.tril(jnp.ones((n, n), bool)),
     )
-    target = jax.nn.softmax(jnp.einsum("btd,vd->btv", final[:, 1:], dparams["unembed"]), -1)
+    unembedded = precision.follows_params(lambda f, w: jnp.einsum("btd,vd->btv", f, w))
+    target = jax.nn.softmax(unembedded(final[:, 1:], dparams["unembed"]), -1)
     expected = jnp.mean(-jnp.sum(target * jax.nn.log_softmax(logits), -1))
     assert_close(loss, expected, dtype=jnp.float32, depth=LOSS_DEPTH)
 

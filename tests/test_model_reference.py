@@ -9,6 +9,7 @@ import transformers
 from flax import nnx
 from tolerance import assert_close, forward_depth
 
+from specjax import precision
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import (
     InOutLinear,
@@ -201,7 +202,10 @@ def test_linear_matches_one_matrix_product(rows, n_out, in_out):
         layer.bias[...]
     )
     # float32 against float64: the product's rounding (a blocked sum over 40 terms) and the bias add
-    assert_close(jax.jit(lambda x: layer(x))(x), want, dtype=jnp.float32, depth=2)
+    got = jax.jit(precision.follows_params(lambda x: layer(x)))(
+        x
+    )  # a layer alone: the dtype rule, as in a model
+    assert_close(got, want, dtype=jnp.float32, depth=2)
 
 
 @pytest.mark.parametrize("name", ["llama_mha_untied_bias", "llama_gqa_tied"])

@@ -165,9 +165,15 @@ def _check_stored_shapes(workdir: Path, params_dir: Path, fresh) -> None:
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]
     }
-    if stored != wanted:
+    # a run of several processes records the shape each one wrote (a chunk of the array): it must tile the array
+    fits = lambda s, w: (
+        s is not None and w is not None and len(s) == len(w) and all(b % a == 0 for a, b in zip(s, w))
+    )
+    if any(not fits(stored.get(k), wanted.get(k)) for k in {*stored, *wanted}):
         diff = sorted(
-            (k, stored.get(k), wanted.get(k)) for k in {*stored, *wanted} if stored.get(k) != wanted.get(k)
+            (k, stored.get(k), wanted.get(k))
+            for k in {*stored, *wanted}
+            if not fits(stored.get(k), wanted.get(k))
         )
         raise HeadsError(
             f"{workdir / META} does not describe the heads its checkpoint {params_dir.parent} holds (array, "

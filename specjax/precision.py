@@ -15,6 +15,7 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import PrecisionError
@@ -47,8 +48,8 @@ def describe(choice: str, dtype) -> str:
 def params_dtype(params):
     """The widest floating dtype among the array leaves of `params` (float32 for a model with any float32
     leaf; float32 when there are none)."""
-    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(params) if hasattr(x, "dtype")]
-    floats = [d for d in dtypes if np.issubdtype(d, np.floating)]
+    dtypes = [x.dtype for x in jax.tree.leaves(params) if hasattr(x, "dtype")]
+    floats = [np.dtype(d) for d in dtypes if jnp.issubdtype(d, jnp.floating)]  # not PRNG keys' dtypes
     return max(floats, key=lambda d: d.itemsize, default=np.dtype(np.float32))
 
 

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,9 +79,12 @@ def run_patched(monkeypatch, name: str, replacement, run):
 
 @functools.cache
 def cli():
-    """run_decode.py as a module, loaded once (its flags are defined once per process)."""
+    """run_decode.py as a module, loaded once per process (its flags are defined once): the one
+    `experiments.sweep` imports, where a test of the sweep ran first in this worker."""
+    if "run_decode" in sys.modules:
+        return sys.modules["run_decode"]
     spec = importlib.util.spec_from_file_location("run_decode", Path(__file__).parents[1] / "run_decode.py")
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules["run_decode"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 

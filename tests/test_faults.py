@@ -142,6 +142,83 @@ def test_convert(tmp_path):
     check(row)
 
 
+def test_feature_store(tmp_path):
+    """`data.build_feature_store` (a temporary folder renamed into place): a reader sees no store or the whole one."""
+    import numpy as np
+
+    from specjax.training import data
+
+    rng = np.random.default_rng(0)
+    corpus = data.Corpus(rng.integers(0, 512, (20, 8), dtype=np.int32), rng.integers(0, 2, (20, 8)))
+    features = lambda tokens: np.sin(tokens[..., None] * np.arange(1, 5) / 7.0)  # [n, T, 4]
+
+    def read(folder):
+        store = data.FeatureStore(folder / "out", {"target": "A"})
+        feats = store.features(np.arange(store.manifest["rows"]))
+        return (
+            json.dumps(store.manifest),
+            store.tokens.tobytes(),
+            store.loss_mask.tobytes(),
+            feats.tobytes(),
+        )
+
+    row = run_faults(
+        "feature store",
+        tmp_path,
+        user_files,
+        lambda f: data.build_feature_store(
+            f / "out", corpus, features, shard_size=4, provenance={"target": "A"}
+        ),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
+def test_regeneration(tmp_path, stories):
+    """`regenerate.regenerate` (conversations rewritten by the target, appended a batch at a time): what a resumed
+    run keeps is always whole batches of the uninterrupted run's conversations, in order."""
+    from specjax.training import chat, regenerate
+
+    subjects = ("cat", "dog", "bird", "fish", "frog")
+    convs = [
+        [
+            {"role": "user", "content": f"Tell me a story about a {s}."},
+            {"role": "assistant", "content": f"The {s} was sad."},
+        ]
+        for s in subjects
+    ]
+    target = (stories.cfg, stories.graphdef, stories.params)
+    template = (HEADS.parent / "configs" / "chat" / "stories.jinja").read_text()
+    settings = {"max_new_tokens": 4, "temperature": 1.0, "seed": 3}
+    args = dict(template=template, provenance={"target": "A"}, batch=2, **settings)
+    provenance = {"target": "A"} | settings | {"batch": 2}
+
+    def read(folder):
+        return regenerate._done(folder / "out.jsonl", provenance, 2, len(convs))
+
+    def whole(
+        seen, before, expected
+    ):  # the conversations a re-run keeps: whole batches, as written straight
+        return seen == expected[: len(seen)] and (len(seen) % 2 == 0 or seen == expected)
+
+    write = lambda f: regenerate.regenerate(convs, target, stories.tokenizer, out=f / "out.jsonl", **args)
+    write(tmp_path / "warm")  # compiles (and writes the compilation cache) outside the counted steps
+    row = run_faults(
+        "regeneration",
+        tmp_path,
+        user_files,
+        write,
+        read,
+        REFUSALS,
+        whole=whole,
+    )
+    assert (
+        chat.read_conversations(tmp_path / "reference" / "out.jsonl")[0][1]["content"] != "The cat was sad."
+    )
+    check(row)
+
+
 # --- two writers at once ---------------------------------------------------------------------------------
 
 HOLD = """

@@ -6,6 +6,8 @@ half-written one; the re-run ends in the bytes of an uninterrupted run. The faul
 import json
 import re
 
+import jax
+import numpy as np
 import pytest
 from conftest import HEADS, STORIES
 from faults import Row, run_faults
@@ -42,6 +44,12 @@ def check(row: Row) -> None:
     assert (
         row.kill_points >= min(20, row.steps) and row.corrupt_reads == 0 and row.changed_user_files == 0
     ), row
+
+
+def once(fn):
+    """`fn` called the first time only; later calls (the same arguments' equals) get its first result."""
+    first = []
+    return lambda *args: first[0] if first else first.append(fn(*args)) or first[0]
 
 
 def table_rows(scale):
@@ -144,8 +152,6 @@ def test_convert(tmp_path):
 
 def test_feature_store(tmp_path):
     """`data.build_feature_store` (a temporary folder renamed into place): a reader sees no store or the whole one."""
-    import numpy as np
-
     from specjax.training import data
 
     rng = np.random.default_rng(0)
@@ -215,6 +221,45 @@ def test_regeneration(tmp_path, stories):
     )
     assert (
         chat.read_conversations(tmp_path / "reference" / "out.jsonl")[0][1]["content"] != "The cat was sad."
+    )
+    check(row)
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the kill in TensorBoard's writer
+def test_training_checkpoints(tmp_path, stories, monkeypatch):
+    """`trainer.train` (Orbax checkpoints in WORKDIR/checkpoints, resumed by the next run): a reader (`load_heads`)
+    sees no heads, or step 1's or step 2's parameters whole; the re-run ends in an uninterrupted run's parameters.
+    The target and the train step are built once (their reads are not the writer under test)."""
+    from specjax.models.loading import tokenizer_files
+    from specjax.training import trainer
+    from specjax.training.config import base_config, smoke
+
+    target_dir = tmp_path / "target"
+    checkpoint.save_model(target_dir, stories.cfg, stories.params, tokenizer_files(stories.path))
+    config = smoke(base_config("eagle"))
+    config.target, config.data.cache = str(target_dir), str(tmp_path / "corpus.npy")
+    config.data.num_samples, config.train.batch_size = 8, 4
+    config.train.steps, config.train.checkpoint_every, config.train.log_every = 2, 1, 1
+    for name in ("load_target", "make_train_step"):
+        monkeypatch.setattr(trainer, name, once(getattr(trainer, name)))
+
+    def read(folder):
+        _, _, params = heads.load_heads(folder / "out", stories.cfg, stories.params)
+        return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)]
+
+    # compiles and caches the corpus outside the counted steps; step 1's parameters, as an interrupted run saves them
+    trainer.train(config, tmp_path / "one" / "out", stop_at=1)
+    step_one = read(tmp_path / "one")
+    row = run_faults(
+        "training checkpoints",
+        tmp_path,
+        user_files,
+        lambda f: trainer.train(config, f / "out"),
+        read,
+        REFUSALS,
+        whole=lambda seen, before, expected: seen in (expected, step_one),
     )
     check(row)
 

@@ -230,7 +230,8 @@ def test_regeneration(tmp_path, stories):
 )  # the kill in TensorBoard's writer
 def test_training_checkpoints(tmp_path, stories, monkeypatch):
     """`trainer.train` (Orbax checkpoints in WORKDIR/checkpoints, resumed by the next run): a reader (`load_heads`)
-    sees no heads, or step 1's or step 2's parameters whole; the re-run ends in an uninterrupted run's parameters.
+    sees no heads, or step 2's or step 3's parameters whole; the re-run ends in an uninterrupted run's parameters
+    and metrics.jsonl (no merged or repeated line).
     The target and the train step are built once (their reads are not the writer under test)."""
     from specjax.models.loading import tokenizer_files
     from specjax.training import trainer
@@ -241,17 +242,28 @@ def test_training_checkpoints(tmp_path, stories, monkeypatch):
     config = smoke(base_config("eagle"))
     config.target, config.data.cache = str(target_dir), str(tmp_path / "corpus.npy")
     config.data.num_samples, config.train.batch_size = 8, 4
-    config.train.steps, config.train.checkpoint_every, config.train.log_every = 2, 1, 1
+    # step 1 logged before any checkpoint, step 2 saved (every 2 steps), step 3 logged before the final save
+    config.train.steps, config.train.checkpoint_every, config.train.log_every = 3, 2, 1
     for name in ("load_target", "make_train_step"):
         monkeypatch.setattr(trainer, name, once(getattr(trainer, name)))
 
     def read(folder):
+        """The latest checkpoint's parameters, and the (step, loss) lines of metrics.jsonl (a tail without its
+        newline is a line being written, not one yet; every whole line must parse)."""
         _, _, params = heads.load_heads(folder / "out", stories.cfg, stories.params)
-        return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)]
+        log = folder / "out" / "metrics.jsonl"
+        lines = log.read_text().split("\n")[:-1] if log.exists() else []
+        logged = [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+        return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)], logged
 
-    # compiles and caches the corpus outside the counted steps; step 1's parameters, as an interrupted run saves them
-    trainer.train(config, tmp_path / "one" / "out", stop_at=1)
-    step_one = read(tmp_path / "one")
+    def whole(
+        seen, before, expected
+    ):  # step 2's or 3's parameters; the uninterrupted run's log or its start
+        return seen[0] in (expected[0], step_two[0]) and seen[1] == expected[1][: len(seen[1])]
+
+    # compiles and caches the corpus outside the counted steps; step 2's parameters
+    trainer.train(config, tmp_path / "two" / "out", stop_at=2)
+    step_two = read(tmp_path / "two")
     row = run_faults(
         "training checkpoints",
         tmp_path,
@@ -259,8 +271,10 @@ def test_training_checkpoints(tmp_path, stories, monkeypatch):
         lambda f: trainer.train(config, f / "out"),
         read,
         REFUSALS,
-        whole=lambda seen, before, expected: seen in (expected, step_one),
+        whole=whole,
+        also="metrics.jsonl",  # a kill half-way through each line of the log, and at its opening
     )
+    assert step_two[0] != read(tmp_path / "reference")[0]  # a control: step 3 moved the parameters
     check(row)
 
 

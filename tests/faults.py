@@ -19,6 +19,7 @@ import hashlib
 import io
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class _Writer:
         self._f, self._steps = f, steps
 
     def write(self, data):
-        self._steps.step(cut=lambda: self._f.write(data[: len(data) // 2]) and self._f.flush())
+        cut = lambda: self._f.write(data[: len(data) // 2]) and self._f.flush()
+        self._steps.step(cut=cut, what=str(getattr(self._f, "name", "")))
         return self._f.write(data)
 
     def __enter__(self):
@@ -73,11 +75,13 @@ class FileSystemSteps:
 
     def __init__(self, kill_at: int | None = None):
         self.kill_at, self.count, self.killed = kill_at, 0, False
+        self.paths: list[str] = []  # what each step touched (its first argument), by step
 
-    def step(self, cut: Callable | None = None) -> None:
+    def step(self, cut: Callable | None = None, what: str = "") -> None:
         if self.killed:
             raise Killed
         self.count += 1
+        self.paths.append(what)
         if self.kill_at is not None and self.count >= self.kill_at:
             self.killed = True
             if cut is not None:
@@ -94,7 +98,7 @@ class FileSystemSteps:
 
         def wrap(fn):
             def wrapped(*args, **kwargs):
-                self.step()
+                self.step(what=str(args[0]) if args else "")
                 return fn(*args, **kwargs)
 
             return wrapped
@@ -102,17 +106,32 @@ class FileSystemSteps:
         def opened(file, mode="r", *args, **kwargs):
             if not any(c in mode for c in "wax+"):
                 return real_open(file, mode, *args, **kwargs)
-            self.step()
+            self.step(what=str(file))
             return _Writer(real_open(file, mode, *args, **kwargs), self)
 
         for module, name, fn in saved[: len(MUTATORS)]:
             setattr(module, name, wrap(fn))
         builtins.open = io.open = opened
+        threads = set(threading.enumerate())
         try:
             yield self
         finally:
             for module, name, fn in saved:
                 setattr(module, name, fn)
+            if self.killed:
+                for thread in set(threading.enumerate()) - threads:
+                    _died_with_the_process(thread)
+
+
+def _died_with_the_process(thread: threading.Thread) -> None:
+    """A thread the killed run started (Orbax's, waiting 300 s for a signal the killed run never sends) would have
+    died with a killed process: the interpreter's exit stops waiting for it, as for a daemon thread (CPython 3.11's
+    bookkeeping; elsewhere nothing is done)."""
+    lock, locks = getattr(thread, "_tstate_lock", None), getattr(threading, "_shutdown_locks", None)
+    if thread.daemon or lock is None or locks is None:
+        return
+    with threading._shutdown_locks_lock:
+        locks.discard(lock)
 
 
 @contextlib.contextmanager
@@ -176,13 +195,15 @@ def run_faults(
     errors: tuple = (),
     at_least: int = 20,
     whole: Callable[[object, object, object], bool] | None = None,
+    also: str = "",
 ) -> Row:
     """Kills `write(folder)` at >= `at_least` points. `prepare(folder)` lays out a fresh folder (the user's files
     and any previous output); `read(folder)` is what a reader gets: a comparable value of the output, or one of
     `errors` (a refusal, or nothing there yet); `whole(seen, before, expected)` says whether a read saw complete
     states only (default: the output before the run or the finished one). Each kill is checked (user files,
     reads), then the write is re-run and must end in the uninterrupted run's output; it `resumed` if it took
-    fewer steps than a fresh run."""
+    fewer steps than a fresh run. `also` adds a kill at every step that touches a path containing it (a file
+    the spread would likely miss)."""
     row = Row(name)
     ref = workspace / "reference"
     prepare(ref)
@@ -196,7 +217,10 @@ def run_faults(
         write(ref)
     row.steps = counter.count
     expected = read(ref)
-    for n in kill_points(row.steps, at_least + 3):  # threads (Orbax's) make the count vary a little
+    extra = [i + 1 for i, p in enumerate(counter.paths) if also and also in p]
+    for n in sorted(
+        set(kill_points(row.steps, at_least + 3)) | set(extra)
+    ):  # threads (Orbax's) make the count vary a little
         folder = workspace / f"kill{n}"
         prepare(folder)
         killer = FileSystemSteps(kill_at=n)

@@ -6,6 +6,8 @@ half-written one; the re-run ends in the bytes of an uninterrupted run. The faul
 import json
 import re
 
+import jax
+import numpy as np
 import pytest
 from conftest import HEADS, STORIES
 from faults import Row, run_faults
@@ -42,6 +44,12 @@ def check(row: Row) -> None:
     assert (
         row.kill_points >= min(20, row.steps) and row.corrupt_reads == 0 and row.changed_user_files == 0
     ), row
+
+
+def once(fn):
+    """`fn` called the first time only; later calls (the same arguments' equals) get its first result."""
+    first = []
+    return lambda *args: first[0] if first else first.append(fn(*args)) or first[0]
 
 
 def table_rows(scale):
@@ -139,6 +147,134 @@ def test_convert(tmp_path):
         read,
         REFUSALS,
     )
+    check(row)
+
+
+def test_feature_store(tmp_path):
+    """`data.build_feature_store` (a temporary folder renamed into place): a reader sees no store or the whole one."""
+    from specjax.training import data
+
+    rng = np.random.default_rng(0)
+    corpus = data.Corpus(rng.integers(0, 512, (20, 8), dtype=np.int32), rng.integers(0, 2, (20, 8)))
+    features = lambda tokens: np.sin(tokens[..., None] * np.arange(1, 5) / 7.0)  # [n, T, 4]
+
+    def read(folder):
+        store = data.FeatureStore(folder / "out", {"target": "A"})
+        feats = store.features(np.arange(store.manifest["rows"]))
+        return (
+            json.dumps(store.manifest),
+            store.tokens.tobytes(),
+            store.loss_mask.tobytes(),
+            feats.tobytes(),
+        )
+
+    row = run_faults(
+        "feature store",
+        tmp_path,
+        user_files,
+        lambda f: data.build_feature_store(
+            f / "out", corpus, features, shard_size=4, provenance={"target": "A"}
+        ),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
+def test_regeneration(tmp_path, stories):
+    """`regenerate.regenerate` (conversations rewritten by the target, appended a batch at a time): what a resumed
+    run keeps is always whole batches of the uninterrupted run's conversations, in order."""
+    from specjax.training import chat, regenerate
+
+    subjects = ("cat", "dog", "bird", "fish", "frog")
+    convs = [
+        [
+            {"role": "user", "content": f"Tell me a story about a {s}."},
+            {"role": "assistant", "content": f"The {s} was sad."},
+        ]
+        for s in subjects
+    ]
+    target = (stories.cfg, stories.graphdef, stories.params)
+    template = (HEADS.parent / "configs" / "chat" / "stories.jinja").read_text()
+    settings = {"max_new_tokens": 4, "temperature": 1.0, "seed": 3}
+    args = dict(template=template, provenance={"target": "A"}, batch=2, **settings)
+    provenance = {"target": "A"} | settings | {"batch": 2}
+
+    def read(folder):
+        return regenerate._done(folder / "out.jsonl", provenance, 2, len(convs))
+
+    def whole(
+        seen, before, expected
+    ):  # the conversations a re-run keeps: whole batches, as written straight
+        return seen == expected[: len(seen)] and (len(seen) % 2 == 0 or seen == expected)
+
+    write = lambda f: regenerate.regenerate(convs, target, stories.tokenizer, out=f / "out.jsonl", **args)
+    write(tmp_path / "warm")  # compiles (and writes the compilation cache) outside the counted steps
+    row = run_faults(
+        "regeneration",
+        tmp_path,
+        user_files,
+        write,
+        read,
+        REFUSALS,
+        whole=whole,
+    )
+    assert (
+        chat.read_conversations(tmp_path / "reference" / "out.jsonl")[0][1]["content"] != "The cat was sad."
+    )
+    check(row)
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the kill in TensorBoard's writer
+def test_training_checkpoints(tmp_path, stories, monkeypatch):
+    """`trainer.train` (Orbax checkpoints in WORKDIR/checkpoints, resumed by the next run): a reader (`load_heads`)
+    sees no heads, or step 2's or step 3's parameters whole; the re-run ends in an uninterrupted run's parameters
+    and metrics.jsonl (no merged or repeated line).
+    The target and the train step are built once (their reads are not the writer under test)."""
+    from specjax.models.loading import tokenizer_files
+    from specjax.training import trainer
+    from specjax.training.config import base_config, smoke
+
+    target_dir = tmp_path / "target"
+    checkpoint.save_model(target_dir, stories.cfg, stories.params, tokenizer_files(stories.path))
+    config = smoke(base_config("eagle"))
+    config.target, config.data.cache = str(target_dir), str(tmp_path / "corpus.npy")
+    config.data.num_samples, config.train.batch_size = 8, 4
+    # step 1 logged before any checkpoint, step 2 saved (every 2 steps), step 3 logged before the final save
+    config.train.steps, config.train.checkpoint_every, config.train.log_every = 3, 2, 1
+    for name in ("load_target", "make_train_step"):
+        monkeypatch.setattr(trainer, name, once(getattr(trainer, name)))
+
+    def read(folder):
+        """The latest checkpoint's parameters, and the (step, loss) lines of metrics.jsonl (a tail without its
+        newline is a line being written, not one yet; every whole line must parse)."""
+        _, _, params = heads.load_heads(folder / "out", stories.cfg, stories.params)
+        log = folder / "out" / "metrics.jsonl"
+        lines = log.read_text().split("\n")[:-1] if log.exists() else []
+        logged = [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+        return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)], logged
+
+    def whole(
+        seen, before, expected
+    ):  # step 2's or 3's parameters; the uninterrupted run's log or its start
+        return seen[0] in (expected[0], step_two[0]) and seen[1] == expected[1][: len(seen[1])]
+
+    # compiles and caches the corpus outside the counted steps; step 2's parameters
+    trainer.train(config, tmp_path / "two" / "out", stop_at=2)
+    step_two = read(tmp_path / "two")
+    row = run_faults(
+        "training checkpoints",
+        tmp_path,
+        user_files,
+        lambda f: trainer.train(config, f / "out"),
+        read,
+        REFUSALS,
+        whole=whole,
+        also="metrics.jsonl",  # a kill half-way through each line of the log, and at its opening
+    )
+    assert step_two[0] != read(tmp_path / "reference")[0]  # a control: step 3 moved the parameters
     check(row)
 
 

@@ -8,7 +8,8 @@ are replicated, the frozen target is restored straight onto the mesh, split Mega
 --num_processes`: process 0 writes the workdir records and logs, each process feeds its own devices).
 Checkpoints (head params, optimiser state, step, data position) go to `WORKDIR/checkpoints` through an Orbax
 `CheckpointManager`; a restart resumes from the latest finished one.
-Metrics go to the log, `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR/tensorboard`.
+Metrics go to the log, `WORKDIR/metrics.jsonl` (each line written before its step's checkpoint; a resumed run
+first drops the lines after the step it resumes from) and TensorBoard event files in `WORKDIR/tensorboard`.
 
 Safety: the config is validated before anything is loaded; the workdir is locked while a run uses it
 (`WORKDIR/.lock`); the first run records its resolved config and the target's identity in `WORKDIR/config.json`
@@ -134,12 +135,41 @@ def make_train_step(loss, optimizer, config, dtype, resample=None):
     return train_step
 
 
-class Logger:
-    """One progress line per log step, plus `metrics.jsonl` and TensorBoard scalars."""
+def _logged_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
-    def __init__(self, workdir: Path):
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Keeps the whole lines of `path` (metrics.jsonl) up to `step`, the checkpoint a run resumes from: a run
+    killed half-way through a line, or after logging steps it never saved, leaves lines the resumed run would
+    otherwise follow with a merged line or log a second time."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [
+        line for line in lines if line.endswith("\n") and (_logged_step(line) or 0) in range(1, step + 1)
+    ]
+    if kept != lines:
+        logging.warning(
+            "%s: dropping %d line(s) after step %d (an interrupted run's)",
+            path,
+            len(lines) - len(kept),
+            step,
+        )
+        files.write_text(path, "".join(kept), replaceable=lambda p: True)
+
+
+class Logger:
+    """One progress line per log step, plus `metrics.jsonl` (trimmed to the step the run starts from) and
+    TensorBoard scalars."""
+
+    def __init__(self, workdir: Path, step: int = 0):
         from tensorboardX import SummaryWriter
 
+        trim_metrics(workdir / "metrics.jsonl", step)
         self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed by close())
         self.tb = SummaryWriter(str(workdir / "tensorboard"))
 
@@ -338,7 +368,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
             ),
         )
 
-    logger = Logger(workdir) if sharding.is_main() else None  # process 0 logs
+    logger = Logger(workdir, step) if sharding.is_main() else None  # process 0 logs
     last, end = {}, min(t.steps, stop_at or t.steps)
     stop = stop or threading.Event()  # never set: run to the end
     window_start, window_tokens = time.perf_counter(), 0
@@ -358,9 +388,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
                 params, opt_state, target_params, batch, mask, feats, key, step + 1, first_bad
             )
             step, position = step + 1, position + t.batch_size
-            if step % t.checkpoint_every == 0:
-                save()
-            if step % t.log_every == 0 or step == end:
+            if step % t.log_every == 0 or step == end:  # logged before saved: a saved step's line is whole
                 check_finite()
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 last["tokens_per_s"] = window_tokens / (time.perf_counter() - window_start)
@@ -370,6 +398,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
                 if logger:
                     logger(step, last)
                 window_start, window_tokens = time.perf_counter(), 0
+            if step % t.checkpoint_every == 0:
+                save()
     finally:  # finished or interrupted (Ctrl-C included): keep the last step, if its parameters are finite
         try:
             if step > 0 and manager.latest_step() != step and int(first_bad) < 0:

@@ -167,3 +167,7 @@ def test_a_function_called_alone_follows_its_weights_dtype(f32):
             return forward(f32.graphdef, p, *args)[0]
 
     assert set(dot_precisions(jax.jit(chosen).lower(f32.params))) == {"HIGH"}
+    bf16 = target("bfloat16")
+    bf16_args = (*args[:2], init_cache(bf16.cfg, 1, 8), args[3])
+    alone = jax.jit(lambda p: forward(bf16.graphdef, p, *bf16_args)[0]).lower(bf16.params)
+    assert set(dot_precisions(alone)) == {"DEFAULT"}

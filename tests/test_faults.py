@@ -278,6 +278,43 @@ def test_training_checkpoints(tmp_path, stories, monkeypatch):
     check(row)
 
 
+def test_distilled_draft_export(tmp_path, stories):
+    """`distill.export_model` (files.atomic_dir): a reader (`load_model`) sees no draft or the whole export.
+    The draft is a 2-step smoke distillation trained outside the counted steps."""
+    from specjax.drafters import distill
+    from specjax.models.loading import load_model, tokenizer_files
+    from specjax.training import trainer
+    from specjax.training.config import base_config, smoke
+
+    target_dir = tmp_path / "target"
+    checkpoint.save_model(target_dir, stories.cfg, stories.params, tokenizer_files(stories.path))
+    config = smoke(base_config("distill"))
+    config.target, config.data.cache = str(target_dir), str(tmp_path / "corpus.npy")
+    config.heads.n_layers, config.heads.init = 1, "layers:0"
+    config.data.num_samples, config.data.sample_len, config.data.heldout = 8, 16, 0
+    config.train.batch_size, config.train.steps, config.train.checkpoint_every = 4, 2, 2
+    trainer.train(config, tmp_path / "run")
+
+    def read(folder):
+        model = load_model(str(folder / "out"))
+        files = sorted((p.name, p.read_bytes()) for p in (folder / "out").iterdir())
+        return (
+            repr(model.cfg),
+            [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(model.params)],
+            files,
+        )
+
+    row = run_faults(
+        "distilled draft export",
+        tmp_path,
+        user_files,
+        lambda f: distill.export_model(tmp_path / "run", f / "out", target_dir),
+        read,
+        REFUSALS,
+    )
+    check(row)
+
+
 # --- two writers at once ---------------------------------------------------------------------------------
 
 HOLD = """

@@ -16,19 +16,19 @@ model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
 - pilot: EAGLE's tau for chain lengths and dynamic-tree budgets, measured on stories260K itself (the expansion
   keeps every draft, so tau carries over), turned into a predicted speedup with the curve: the decode table uses
   the best chain K and the two best dynamic budgets, and static trees of the best budget.
-- decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), the target's
-  int8 copy (quantised self-draft), n-gram lookup, retrieval (REST) over a datastore of stories260K's own
+- decode: AR, a draft model of the target's first 2 *original* layers (the inserted ones skipped), the distilled
+  2-layer draft (`heads/stories260K_distill`, trained on stories260K: it drafts for the expansion unchanged), the
+  target's int8 copy (quantised self-draft), n-gram lookup, retrieval (REST) over a datastore of stories260K's own
   stories, lookahead, Medusa (chain, static tree), EAGLE (chain, static and dynamic trees) and EAGLE-3 (chain,
   dynamic trees) at each temperature and batch on free continuation; n-gram, retrieval, lookahead and EAGLE-3's
-  chain also greedy at batch 1 on input-grounded retelling and long generation (`jobs`): tau, pooled acceptance
-  rate a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the round's target pass / a
-  1-token pass, from the curve), tokens/s, speedup over AR (median of per-repetition ratios, the runs taking
-  turns) end to end and of the decoding phase (both times less the jobs' prefill passes, costed from the
-  curve at the padded prompt width), the analytic prediction E / (n_calls x c + v) with
-  E = (1 - a^(K+1)) / (1 - a) for chains and the measured tau otherwise, the decoding speedup / the
-  prediction, and loop efficiency (the model calls' time from the curve / the measured decoding time per
-  round). AR's row gives a decoding step's fraction of the bandwidth floor (the weights and the keys/values of
-  the committed tokens, averaged over the steps).
+  chain also greedy at batch 1 on input-grounded retelling and long generation (`jobs`): tau, pooled acceptance rate
+  a, draft cost c (one drafter call / one 1-token target pass), verify cost v (the round's target pass / a 1-token
+  pass, from the curve), tokens/s, speedup over AR (median of per-repetition ratios, the runs taking turns) end to
+  end and of the decoding phase (both times less the jobs' prefill passes, costed from the curve at the padded
+  prompt width), the analytic prediction E / (n_calls x c + v) with E = (1 - a^(K+1)) / (1 - a) for chains and the
+  measured tau otherwise, the decoding speedup / the prediction, and loop efficiency (the model calls' time from the
+  curve / the measured decoding time per round). AR's row gives a decoding step's fraction of the bandwidth floor
+  (the weights and the keys/values of the committed tokens, averaged over the steps).
 - k: EAGLE-3's chain for K = 1..8 with Theorem 3.8's optimum for the measured costs marked.
 - batch: AR against EAGLE-3's chain at batch 1..16, with the costs measured at each batch: where the speedup
   crosses 1.
@@ -61,6 +61,7 @@ PROMPTS = harness.MEMORY_PROMPTS
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 KINDS = (
     "draft model",
+    "distilled draft",
     "quantized",
     "n-gram",
     "retrieval",
@@ -84,6 +85,7 @@ class Settings:
     batches: tuple[int, ...] = (1, 4)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     draft_layers: int = 2  # original layers of the draft model
+    distilled_k: int = 4  # chain length of the distilled draft's row
     curve: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     calls: int = 8  # target passes per timed loop of the curve
     bandwidth_mb: int = 512
@@ -122,7 +124,7 @@ SMOKE = Settings(
     chain_ks=(2,),
     dynamic=(),
     pilot_tokens=8,
-    kinds=("draft model", "quantized", "retrieval", "lookahead", "eagle chain"),
+    kinds=("draft model", "distilled draft", "quantized", "retrieval", "lookahead", "eagle chain"),
     categories=(),
     sweep_batches=(1,),
     datastore_tokens=4096,
@@ -276,6 +278,9 @@ def load(settings: Settings):
         loaded["quantized"] = quantize_model(graphdef, params, Quantization(8))
     if "retrieval" in settings.kinds:
         loaded["retrieval"] = common.story_datastore(small, settings.datastore_tokens)
+    if "distilled draft" in settings.kinds:
+        d = load_model(str(HEADS / "stories260K_distill"), settings.dtype)
+        loaded["distilled draft"] = (d.cfg, d.graphdef, d.params)
     return small, (cfg, graphdef, params), draft, loaded
 
 
@@ -288,6 +293,9 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     cfg, _, params = target
     if method == "draft model":
         dcfg, dgraph, dparams = draft
+        return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
+    if method == "distilled draft":
+        dcfg, dgraph, dparams = loaded[method]
         return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
     if method == "quantized":  # as `specjax.drafters.quantized` builds it, the int8 copy made once
         qgraph, qparams = loaded["quantized"]
@@ -351,6 +359,11 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         if "draft model" in settings.kinds:
             dcfg, dgraph, dparams = draft_model
             fns[("draft model", b)] = pass_loop(
+                model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
+            )
+        if "distilled draft" in settings.kinds:
+            dcfg, dgraph, dparams = loaded["distilled draft"]
+            fns[("distilled draft", b)] = pass_loop(
                 model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
             )
         if "quantized" in settings.kinds:
@@ -442,6 +455,13 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
     medusa_tree, eagle_tree = medusa_like(budget, max_depth=n_medusa), medusa_like(budget, max_depth=5)
     out = [
         ("draft model", "draft model", f"{settings.draft_layers} original layers, chain K=3", 3, None),
+        (
+            "distilled draft",
+            "distilled draft",
+            f"heads/stories260K_distill (2 layers), chain K={settings.distilled_k}",
+            settings.distilled_k,
+            None,
+        ),
         ("quantized", "quantized", "int8 copy of the target, chain K=4", 4, None),
         ("n-gram", "n-gram", "chain K=3", 3, None),
         ("retrieval", "retrieval", f"{settings.datastore_tokens:,}-token datastore, chain K=4", 4, None),
@@ -716,6 +736,7 @@ def define_flags() -> None:
     flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
     flags.DEFINE_list("kinds", None, f"Drafter rows (default all: {', '.join(KINDS)}).")
     flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
+    flags.DEFINE_bool("sweeps", True, "Also the K and batch sweeps of EAGLE-3's chain.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the target.")
     harness.define_precision_flag()
 
@@ -735,6 +756,7 @@ def main(argv):
         "temperatures": FLAGS.temperatures and tuple(map(float, FLAGS.temperatures)),
         "kinds": FLAGS.kinds and tuple(FLAGS.kinds),
         "dtype": FLAGS.dtype,
+        "sweeps": FLAGS.sweeps,
     }
     unknown = set(FLAGS.kinds or ()) - set(KINDS)
     if unknown:

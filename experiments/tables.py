@@ -19,6 +19,10 @@ Sections:
 - peers: transformers' PyTorch generation on the same weights and prompts: plain, prompt lookup and assisted
   generation (assistant: stories260K's first layer) against specjax's AR, n-gram and draft-model decoding;
   tokens/s, tau and whether the greedy outputs equal specjax AR's.
+- distill: distilled draft models (DistillSpec, `experiments.distill_table`): divergence x data source -> held-out
+  alpha at T=0 and T=1 and tau at K=4, with the undistilled first-layer draft and a next-token-trained draft of the
+  same shape as baselines (each row trained to --distill_steps in checkpoints/distill_table/, resumed if there);
+  tau by prompt category; and the draft-model rows of the memory-bound target (`experiments.bench_memory_bound`).
 - systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
   parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
@@ -40,11 +44,12 @@ from specjax import analysis, cli, metrics
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "systems")
+SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "distill", "systems")
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per decode (median).")
+flags.DEFINE_integer("distill_steps", 300, "Training steps of each distilled-draft row (section distill).")
 harness.define_precision_flag()
 FLAGS = flags.FLAGS
 
@@ -544,6 +549,61 @@ def peers(out: harness.Writer, quick: bool, target) -> None:
     )
 
 
+# --- distilled drafts ---------------------------------------------------------------------------------------
+
+
+def distill_tables(out: harness.Writer, quick: bool, target) -> None:
+    import dataclasses
+
+    from experiments import bench_memory_bound as bench
+    from experiments import distill_table as dt
+
+    model = (target.cfg, target.graphdef, target.params)
+    drafts = dt.baselines(model)
+    if not quick:
+        root = Path("checkpoints/distill_table").absolute()
+        drafts |= dt.trained(model, FLAGS.distill_steps, root, list(dt.ROWS))
+    held = (
+        "configs/draft.py's smoke corpus" if quick else "the 64 target samples configs/draft.py holds out"
+    )
+    out.table(
+        "distill_divergence",
+        dt.divergence_rows(model, target.tokenizer, drafts, quick),
+        f"Distilled 2-layer drafts of stories260K by divergence and data source: alpha on {held} (T=0: argmax "
+        "agreement, T=1: mean 1 - TVD) and tau of the K=4 chain",
+        "Data: `samples` = the target's own samples, `text` = a fixed corpus of stories (experiments/data/"
+        "stories.txt), `on-policy 0.5` = half of each batch the draft's own continuations, scored by the target.",
+    )
+    rows = []
+    names = (dt.UNDISTILLED, "next_token / samples", "forward_kl / samples (committed)")
+    for category, (prompts, n) in categories(target.tokenizer, quick).items():
+        for t in (0.0,) if quick else (0.0, 1.0):
+            for name in (name for name in names if name in drafts):
+                rows.append(
+                    dict(
+                        draft=name,
+                        category=category,
+                        T=t,
+                        tau=dt.tau(model, drafts[name][0], prompts, n, t),
+                    )
+                )
+    out.table(
+        "distill_categories",
+        rows,
+        f"Draft models of stories260K by prompt category: tau of the K={dt.K} chain (as the main table's prompts)",
+    )
+    if quick:  # the memory-bound rows need minutes; `memory_bound` smoke-tests the distilled draft's row
+        return
+    settings = bench.Settings(
+        batches=(1,),
+        kinds=("draft model", "distilled draft", "quantized"),
+        categories=(),
+        sweeps=False,
+        name="distill_memory_bound",
+    )
+    bench.run(dataclasses.replace(settings, repeats=FLAGS.repeats), out.folder)
+
+
 # --- systems ------------------------------------------------------------------------------------------------
 
 
@@ -652,6 +712,7 @@ def main(argv):
             ("heads", head_tables),
             ("sweeps", sweeps),
             ("peers", peers),
+            ("distill", distill_tables),
             ("systems", systems),
         )
     }

@@ -27,6 +27,29 @@ import pytest  # noqa: E402
 from specjax.models.config import LlamaConfig  # noqa: E402
 from specjax.models.loading import load_model, resolve  # noqa: E402
 
+# The longest modules first (their seconds on 2 cores, 2026-11): `--dist loadscope` hands whole modules to the
+# workers in collection order, so the short ones fill in at the end instead of one worker finishing a long module
+# alone.
+LONGEST_FIRST = (
+    "test_verification",  # 190
+    "test_training",  # 106
+    "test_trees",  # 89
+    "test_heads",  # 89
+    "test_sharding",  # 87
+    "test_adaptive_k",  # 82
+    "test_tables",  # 73
+    "test_eagle3",  # 68
+    "test_speculative",  # 67
+    "test_ngram",  # 57
+    "test_bad_inputs",  # 53
+    "test_layer_skip",  # 51
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module keeps its order
+
 
 def pytest_unconfigure(config):
     if _OWN_CACHE:
@@ -125,6 +148,14 @@ def stories():
             "../shared/models/stories260K is missing: the real-model tests need it (or set SPECJAX_MODELS)"
         )
     return load_model(str(STORIES))
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """No network: the hub library reads HF_HUB_OFFLINE once, on import, so a process that imported it earlier would
+    still try to connect (20 s of retries here); the variable and the library's constant are both set."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
 
 
 HEADS = Path(__file__).parents[1] / "heads"

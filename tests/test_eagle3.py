@@ -265,7 +265,7 @@ def test_heads_for_another_target_are_refused():
         speculative_generate(TINY.replace(dim=16), None, None, d, dparams, [[1, 2]], GenerateSpec(4))
 
 
-def test_a_published_export_decodes_like_the_committed_head(stories, tmp_path, monkeypatch):
+def test_a_published_export_decodes_like_the_committed_head(stories, tmp_path, offline_hub):
     """`--heads=DIR` with the committed head exported in the EAGLE-3 authors' layout (specjax.published) drafts
     the same tokens as the committed head; a hub id that cannot be downloaded is a clear error."""
     cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
@@ -280,6 +280,5 @@ def test_a_published_export_decodes_like_the_committed_head(stories, tmp_path, m
     np.testing.assert_array_equal(runs[0][0], ar)
     np.testing.assert_array_equal(runs[1][0], ar)
     assert runs[0][1] == runs[1][1]
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match="could not be downloaded from the Hugging Face hub"):
         entry.build(stories, entry.settings(heads="no-such-org/no-such-head"), 4, None, Sampler())

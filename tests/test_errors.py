@@ -136,15 +136,14 @@ def test_parameter_shape_mismatch():
         build_params(TINY, pure)
 
 
-def test_unknown_model_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_model_offline(offline_hub):
     with pytest.raises(errors.MissingInputError, match="could not be downloaded from the Hugging Face hub"):
         resolve("nobody/no-such-model")
     with pytest.raises(errors.MissingInputError, match="neither a local path nor a hub repository id"):
         resolve("./no/such/dir")
 
 
-def test_default_model_resolution(monkeypatch, tmp_path):
+def test_default_model_resolution(monkeypatch, tmp_path, offline_hub):
     from specjax.models import loading
 
     monkeypatch.setenv("SPECJAX_MODELS", str(STORIES.parent))
@@ -154,7 +153,6 @@ def test_default_model_resolution(monkeypatch, tmp_path):
     )  # nowhere local: falls through to the hub, offline here
     monkeypatch.setattr(loading, "REPO_ROOT", tmp_path / "repo")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
         errors.MissingInputError,
         match=r"stories260K/stories260K.bin, stories260K/tok512.model from "

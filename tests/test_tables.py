@@ -83,6 +83,17 @@ COLUMNS = {  # the columns each table must have
     "sweep_temperature": ["drafter", "T", "tau"],
     "sweep_batch": ["drafter", "batch", "ar_tok_s", "spec_tok_s", "speedup"],
     "peers": ["peer", "method", "T", "tok_s", "tau", "same_as_specjax_ar"],
+    "distill_divergence": [
+        "draft",
+        "divergence",
+        "data",
+        "steps",
+        "alpha_T0",
+        "alpha_T1",
+        "tau_T0",
+        "tau_T1",
+    ],
+    "distill_categories": ["draft", "category", "T", "tau"],
     "systems": [
         "method",
         "setting",
@@ -136,12 +147,22 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
     assert [r["method"] for r in decode] == [
         "AR",
         "draft model",
+        "distilled draft",
         "quantized",
         "retrieval",
         "lookahead",
         "eagle",
     ]
     assert all(float(r["tok_s"]) > 0 and float(r["tau"]) >= 1 for r in decode)
+    tau = {r["method"]: float(r["tau"]) for r in decode}
+    assert (
+        tau["distilled draft"] > tau["draft model"] + 0.5
+    )  # the trained draft agrees, the truncated one not
+    with open(out / "distill_divergence.csv") as f:
+        alpha = {
+            r["draft"]: float(r["alpha_T0"]) for r in csv.DictReader(x for x in f if not x.startswith("#"))
+        }
+    assert alpha["forward_kl / samples (committed)"] > alpha["first layer, undistilled"] + 0.3
     with open(out / "peers.csv") as f:
         peers = list(csv.DictReader(line for line in f if not line.startswith("#")))
     assert all(

@@ -575,7 +575,9 @@ def distill_tables(out: harness.Writer, quick: bool, target) -> None:
         "stories.txt), `on-policy 0.5` = half of each batch the draft's own continuations, scored by the target.",
     )
     rows = []
-    names = (dt.UNDISTILLED, "next_token / samples", "forward_kl / samples (committed)")
+    names = ("forward_kl / samples (committed)",) + (
+        () if quick else (dt.UNDISTILLED, "next_token / samples")
+    )
     for category, (prompts, n) in categories(target.tokenizer, quick).items():
         for t in (0.0,) if quick else (0.0, 1.0):
             for name in (name for name in names if name in drafts):

@@ -291,11 +291,8 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     from specjax.drafters.retrieval import Retrieval
 
     cfg, _, params = target
-    if method == "draft model":
-        dcfg, dgraph, dparams = draft
-        return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
-    if method == "distilled draft":
-        dcfg, dgraph, dparams = loaded[method]
+    if method in ("draft model", "distilled draft"):
+        dcfg, dgraph, dparams = draft if method == "draft model" else loaded[method]
         return DraftModel(dcfg, dgraph, k, sampler, tree), dparams
     if method == "quantized":  # as `specjax.drafters.quantized` builds it, the int8 copy made once
         qgraph, qparams = loaded["quantized"]
@@ -356,16 +353,10 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         for t in settings.curve:
             g, p = as_decoded(b * t, (graphdef, params), in_out)
             fns[("expanded", b, t)] = pass_loop(model_step(g), p, half(cfg, b), b, t, settings.calls)
-        if "draft model" in settings.kinds:
-            dcfg, dgraph, dparams = draft_model
-            fns[("draft model", b)] = pass_loop(
-                model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
-            )
-        if "distilled draft" in settings.kinds:
-            dcfg, dgraph, dparams = loaded["distilled draft"]
-            fns[("distilled draft", b)] = pass_loop(
-                model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls
-            )
+        drafts = {"draft model": draft_model, "distilled draft": loaded.get("distilled draft")}
+        for kind in (kind for kind in drafts if kind in settings.kinds):
+            dcfg, dgraph, dparams = drafts[kind]
+            fns[(kind, b)] = pass_loop(model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls)
         if "quantized" in settings.kinds:
             qgraph, qparams = loaded["quantized"]
             fns[("quantized", b)] = pass_loop(

@@ -580,7 +580,7 @@ def distill_tables(out: harness.Writer, quick: bool, target) -> None:
     )
     for category, (prompts, n) in categories(target.tokenizer, quick).items():
         for t in (0.0,) if quick else (0.0, 1.0):
-            for name in (name for name in names if name in drafts):
+            for name in names:
                 rows.append(
                     dict(
                         draft=name,

@@ -71,7 +71,9 @@ def test_python_blocks_run():
         for i, (where, src) in enumerate(code)
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "Once upon a time" in run.stdout  # the README's decode printed its story
 

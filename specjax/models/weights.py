@@ -7,6 +7,7 @@ import struct as pystruct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -164,24 +165,23 @@ def params_from_hf(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], put: Cal
         bias = (
             [get(a + f"{n}_proj.bias", (m,)) for n, m in zip("qkv", (q, kv, kv))] if cfg.qkv_bias else None
         )
-        layers.append(
-            placed(
-                ("layers", i),
-                _layer(
-                    get(p + "input_layernorm.weight", (d,)),
-                    get(a + "q_proj.weight", (q, d)),
-                    get(a + "k_proj.weight", (kv, d)),
-                    get(a + "v_proj.weight", (kv, d)),
-                    get(a + "o_proj.weight", (d, q)),
-                    get(p + "post_attention_layernorm.weight", (d,)),
-                    get(p + "mlp.gate_proj.weight", (f, d)),
-                    get(p + "mlp.up_proj.weight", (f, d)),
-                    get(p + "mlp.down_proj.weight", (d, f)),
-                    bias,
-                    get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
-                ),
-            )
+        layer = placed(
+            ("layers", i),
+            _layer(
+                get(p + "input_layernorm.weight", (d,)),
+                get(a + "q_proj.weight", (q, d)),
+                get(a + "k_proj.weight", (kv, d)),
+                get(a + "v_proj.weight", (kv, d)),
+                get(a + "o_proj.weight", (d, q)),
+                get(p + "post_attention_layernorm.weight", (d,)),
+                get(p + "mlp.gate_proj.weight", (f, d)),
+                get(p + "mlp.up_proj.weight", (f, d)),
+                get(p + "mlp.down_proj.weight", (d, f)),
+                bias,
+                get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
+            ),
         )
+        layers.append(jax.block_until_ready(layer))  # copied before the next is read: one layer on the host
     lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (v, d))
     embed, norm = get("model.embed_tokens.weight", (v, d)), get("model.norm.weight", (d,))
     rest = placed((), _assemble(cfg, embed, [], norm, lm_head))

@@ -24,7 +24,7 @@ demo: $(VENV)/.base
 test: $(VENV)/.test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 3 --dist loadscope --durations=30 tests
+	$(PY) -m pytest -q -n 3 --dist loadscope --no-loadscope-reorder --durations=30 tests
 
 bench: $(VENV)/.test
 	$(PY) -m experiments.bench_ar

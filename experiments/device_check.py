@@ -100,7 +100,8 @@ def summary_counts(text: str) -> dict:
 
 def run_tests(writer: harness.Writer, workers: int) -> dict:
     env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    command = [sys.executable, "-m", "pytest", "-q", "-n", str(workers), "--dist", "loadscope", "tests"]
+    order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
+    command = [sys.executable, "-m", "pytest", "-q", f"-n={workers}", *order, "tests"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start

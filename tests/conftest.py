@@ -6,16 +6,31 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# Compiling dominates the suite. XLA's backend optimises less (12% less CPU over the suite: most programs run once or
-# twice), and the xdist workers and the command-line subprocesses, which compile many of the same programs, share
-# one JAX compilation cache. Both are set by the controlling process before JAX starts, inherited by every worker
-# and subprocess; the cache is removed when the run ends.
+# Compiling dominates the suite. On the CPU, XLA optimises less and compiles fusions with its older loop emitters
+# (together 40% less CPU over the suite: most programs run once or twice), and the xdist workers and the
+# command-line subprocesses, which compile many of the same programs, share one JAX compilation cache. All are set
+# by the controlling process before JAX starts, inherited by every worker and subprocess; the cache is removed when
+# the run ends.
+
+
+def _accelerator_plugin() -> bool:
+    """Whether a GPU or TPU plugin of JAX is installed (asked without starting JAX)."""
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
+
+
 if "SPECJAX_TEST_CACHE" not in os.environ:
     os.environ["SPECJAX_TEST_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
         prefix="specjax-tests-jax-cache-"
     )
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    if not _accelerator_plugin():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+        )
     _OWN_CACHE = True
 else:
     _OWN_CACHE = False
@@ -27,22 +42,31 @@ import pytest  # noqa: E402
 from specjax.models.config import LlamaConfig  # noqa: E402
 from specjax.models.loading import load_model, resolve  # noqa: E402
 
-# The longest modules first (their seconds on 2 cores, 2026-11): `--dist loadscope` hands whole modules to the
-# workers in collection order, so the short ones fill in at the end instead of one worker finishing a long module
-# alone.
+# The longest modules first (their seconds in a 3-worker run on 2 cores, 2026-11-25): the Makefile's
+# `--dist loadscope --no-loadscope-reorder` hands whole modules to the workers in this order, so the short ones fill
+# in at the end instead of one worker finishing a long module alone (xdist's own order, by number of tests, left a
+# 100 s module to the end).
 LONGEST_FIRST = (
-    "test_verification",  # 190
-    "test_training",  # 106
-    "test_trees",  # 89
-    "test_heads",  # 89
-    "test_sharding",  # 87
-    "test_adaptive_k",  # 82
-    "test_tables",  # 73
-    "test_eagle3",  # 68
-    "test_speculative",  # 67
-    "test_ngram",  # 57
-    "test_bad_inputs",  # 53
-    "test_layer_skip",  # 51
+    "test_verification",  # 319
+    "test_training",  # 159
+    "test_trees",  # 147
+    "test_sharding",  # 143
+    "test_distill",  # 132
+    "test_adaptive_k",  # 124
+    "test_eagle3",  # 119
+    "test_speculative",  # 111
+    "test_heads",  # 108
+    "test_ngram",  # 105
+    "test_tables",  # 98
+    "test_bad_inputs",  # 91
+    "test_layer_skip",  # 82
+    "test_sweep",  # 58
+    "test_model_reference",  # 53
+    "test_faults",  # 53
+    "test_retrieval",  # 52
+    "test_quantize",  # 51
+    "test_chat",  # 44
+    "test_docs",  # 38
 )
 
 

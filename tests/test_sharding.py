@@ -21,9 +21,7 @@ CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=8, n_kv_heads=8, he
 @pytest.fixture(scope="module")
 def sharded_runs():
     """Runs in its own process: the device count is fixed when JAX starts."""
-    flags = (
-        " --xla_force_host_platform_device_count=8"  # XLA_FLAGS already has conftest's optimisation level
-    )
+    flags = " --xla_force_host_platform_device_count=8"  # XLA_FLAGS already has conftest's compile flags
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + flags, JAX_PLATFORMS="cpu")
     out = subprocess.run(
         [sys.executable, str(REPO / "tests" / "sharded_decoding.py")],

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 # Compiling dominates the suite. On the CPU, XLA optimises less and compiles fusions with its older loop emitters
-# (together 40% less CPU over the suite: most programs run once or twice), and the xdist workers and the
+# (together about a third less CPU over the suite: most programs run once or twice), and the xdist workers and the
 # command-line subprocesses, which compile many of the same programs, share one JAX compilation cache. All are set
 # by the controlling process before JAX starts, inherited by every worker and subprocess; the cache is removed when
 # the run ends.

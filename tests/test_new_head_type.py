@@ -114,7 +114,8 @@ def test_a_head_type_registered_once_trains_expands_exports_and_builds(toy, tmp_
     )
     nll = -np.take_along_axis(logp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
     expected = (nll * np.asarray(mask)[:, 1:]).sum() / np.asarray(mask)[:, 1:].sum()
-    assert float(loss) == approx(expected, dtype=jnp.float32, depth=6)  # halving, log-softmax, the masked mean
+    # halving, the log-softmax (max, exp, sum, log) and the masked mean
+    assert float(loss) == approx(expected, dtype=jnp.float32, depth=6)
 
     # expansion: the head type's own rule, the meta follows the wide target
     wide = EXPANSION.config(TINY)

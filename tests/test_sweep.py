@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tolerance import approx
-import numpy as np
 
 from experiments import device_check, harness, sweep
 from specjax import cli, results

@@ -114,7 +114,8 @@ def test_theorem_38_table_is_the_closed_form():
     rows = {(r["alpha"], r["c"]): r for r in tables.improvement_rows()}
     for a, c, g in [(0.5, 0.01, 1), (0.7, 0.1, 3), (0.8, 0.05, 8), (0.9, 0.5, 2), (0.6, 0.2, 5)]:
         closed = (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
-        assert rows[a, c][f"gamma={g}"] == approx(closed, dtype=np.float64, depth=6)  # the same closed form, another order
+        # the same closed form, evaluated in another order
+        assert rows[a, c][f"gamma={g}"] == approx(closed, dtype=np.float64, depth=6)
     for (a, c), row in rows.items():
         by_gamma = [(1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)) for g in range(1, 65)]
         assert row["optimal_gamma"] == 1 + int(np.argmax(by_gamma))

@@ -321,6 +321,13 @@ def test_feature_store_of_another_target_or_corpus_is_refused(tmp_path, stories,
         files.ProvenanceError, match="store was built from another loss mask than this run's"
     ):
         trainer._feature_store(config, target, masked, "A")
+    config.matmul_precision = "high"  # features computed at float32's full precision (the dtype rule)
+    with pytest.raises(
+        files.ProvenanceError, match="store was built from another matmul precision than this run's"
+    ):
+        trainer._feature_store(config, target, corpus, "A")
+    config.matmul_precision = "highest"  # what the dtype rule resolved to: the same store
+    assert trainer._feature_store(config, target, corpus, "A").manifest == store.manifest
     # A store folder that is not a finished store (the user's, or one specjax did not write) is never touched.
     made = sentinels(tmp_path / "other")
     (tmp_path / "other" / "tokens.npy").write_bytes(b"mine")

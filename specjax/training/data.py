@@ -9,8 +9,9 @@ a loss mask beside them (1 where a head is trained to predict that token).
 
 Every file is written to a temporary name beside it then renamed (`specjax.files`), so an interrupted run never
 leaves a partial one. The corpus cache (`CACHE.npy`) and the feature store carry their provenance (the target's
-identity, a hash of the source text, the settings, and a hash of their own contents), in `CACHE.npy.json` and
-the store's `manifest.json`: a cache made from anything else is rebuilt, a feature store is refused.
+identity, a hash of the source text, the settings, for the store the matmul precision of its features, and a hash
+of their own contents), in `CACHE.npy.json` and the store's `manifest.json`: a cache made from anything else is
+rebuilt, a feature store is refused.
 """
 
 from __future__ import annotations
@@ -318,12 +319,17 @@ MANIFEST = "manifest.json"
 
 
 def store_provenance(
-    target_id: str, corpus: Corpus, dtype: str = "float32", taps: tuple[int, ...] = ()
+    target_id: str,
+    corpus: Corpus,
+    matmul_precision: str,
+    dtype: str = "float32",
+    taps: tuple[int, ...] = (),
 ) -> dict:
     """What a feature store depends on: the target that computed the features, the token rows (and their loss
-    mask, unless it is all ones), their dtype, and the target layers tapped beside the final features (EAGLE-3),
-    if any."""
+    mask, unless it is all ones), the precision its matrix products ran at (`precision.resolve`), the stored
+    dtype, and the target layers tapped beside the final features (EAGLE-3), if any."""
     record = {"target": target_id, "tokens_sha256": array_digest(corpus.tokens), "dtype": dtype}
+    record["matmul_precision"] = matmul_precision
     if not np.all(corpus.loss_mask == 1):
         record["loss_mask_sha256"] = array_digest(corpus.loss_mask)
     return record | ({"feature_layers": list(taps)} if taps else {})
@@ -391,6 +397,7 @@ class FeatureStore:
                 "tokens_sha256": "corpus",
                 "loss_mask_sha256": "loss mask",
                 "dtype": "dtype",
+                "matmul_precision": "matmul precision",
                 "feature_layers": "set of feature layers",
             }
             changed = [

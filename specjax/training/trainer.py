@@ -413,10 +413,11 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
 
 def _feature_store(config, target, corpus: data.Corpus, target_id: str, taps: tuple[int, ...] = ()):
     """Opens `config.data.store`, building it first (once) from the frozen target; a store built from another
-    target, other tokens or other feature layers is refused."""
+    target, other tokens, at another matmul precision or with other feature layers is refused."""
     cfg, graphdef, params = target
     folder = Path(config.data.store).absolute()
-    provenance = data.store_provenance(target_id, corpus, taps=taps)
+    matmul = precision.resolve(config.matmul_precision, cfg.dtype)
+    provenance = data.store_provenance(target_id, corpus, matmul, taps=taps)
     if not (folder / data.MANIFEST).exists():
         if jax.process_count() > 1:
             raise data.DataError(

@@ -113,18 +113,22 @@ def test_templates_that_cannot_be_used_are_refused(stories, tmp_path):
 # --- the loss mask in the head losses ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "distill"])
 def test_head_losses_ignore_tokens_outside_the_mask(method):
     """With the mask on tokens 0..h, changing the tokens after h (and so the target's features there) leaves the
     loss as it is; changing the tokens inside changes it, as does the same change without the mask (controls)."""
     graphdef, params = TARGET
     entry = registry.trained(method)
-    shape = entry.shape_of(base_config(method).heads, TINY, None)
+    h = base_config(method).heads
+    if method == "distill":  # a one-layer draft of the target's width, its first layer copied
+        h.n_layers, h.init, h.dim, h.hidden_dim = 1, "layers:0", TINY.dim, TINY.hidden_dim
+        h.n_heads, h.n_kv_heads = TINY.n_heads, TINY.n_kv_heads
+    shape = entry.shape_of(h, TINY, None)
     meta = heads.describe(method, shape, TINY)
     hgraph, hparams = heads.new_heads(meta, TINY, params, seed=0)
     full = heads.drafter_params(meta, hparams, TINY, params)
     taps = tuple(entry.feature_taps(shape, TINY))
-    settings = entry.settings()
+    settings = h  # as the trainer passes config.heads
     h, t = 9, 16
     mask = jnp.broadcast_to(jnp.arange(t) <= h, (2, t)).astype(jnp.int32)
 

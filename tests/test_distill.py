@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
-from tolerance import approx, assert_close, assert_far, forward_depth
+from tolerance import approx, assert_close, assert_far, forward_depth, tolerance
 
 from specjax import checkpoint
 from specjax.decoding import GenerateSpec, generate, speculative_generate
@@ -86,7 +86,10 @@ def test_exact_copy_of_the_target_has_zero_divergence_and_gradient():
     @jax.jit
     def all_divergences(params, target_params):
         feats = losses.target_features(cfg, graphdef, target_params, tokens)
-        out = {}
+        full = heads.drafter_params(shape, params, cfg, target_params)
+        out = {
+            "scale": jnp.abs(jnp.einsum("btd,vd->btv", feats[..., -cfg.dim :], full["target_head"])).max()
+        }
         for name in divergences.DIVERGENCES:
             h.divergence = name
 
@@ -98,12 +101,20 @@ def test_exact_copy_of_the_target_has_zero_divergence_and_gradient():
             out[name] = (value, metrics["alpha_T0"], optax_norm(grads))
         return out
 
-    for name, (value, alpha_t0, grad) in all_divergences(params, target_params).items():
-        assert abs(float(value)) < 1e-6, name  # float32 rounding of log-probabilities around 1
-        assert float(grad) < 1e-6 and float(alpha_t0) == 1.0, name
+    copy = all_divergences(params, target_params)
     params["layers"][1]["wo"]["weight"] += 0.1  # a draft that differs: every divergence and gradient > 0
-    for name, (value, _, grad) in all_divergences(params, target_params).items():
-        assert float(value) > 1e-4 and float(grad) > 1e-3, name
+    differs = all_divergences(params, target_params)
+    # Draft and target compute the same logits in other orders: they differ by rounding of the forward at the
+    # logits' magnitude. TVD moves with that difference, the KLs and JSD with its square, so every divergence
+    # is below the logits' rounding; each gradient is below rounding at the magnitude of the gradient a real
+    # difference gives.
+    depth = forward_depth(cfg.n_layers) + DIVERGENCE_DEPTH
+    for name in divergences.DIVERGENCES:
+        (value, alpha_t0, grad), (value1, _, grad1) = copy[name], differs[name]
+        value_bound = tolerance(jnp.float32, depth, float(copy["scale"]))[1]
+        assert float(alpha_t0) == 1.0 and abs(float(value)) <= value_bound, name
+        assert float(grad) <= tolerance(jnp.float32, depth, float(grad1))[1], name
+        assert float(value1) > 10 * value_bound, name  # the control is far above the bound
 
 
 def optax_norm(tree):

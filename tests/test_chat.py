@@ -119,16 +119,16 @@ def test_head_losses_ignore_tokens_outside_the_mask(method):
     loss as it is; changing the tokens inside changes it, as does the same change without the mask (controls)."""
     graphdef, params = TARGET
     entry = registry.trained(method)
-    h = base_config(method).heads
+    settings = base_config(method).heads  # as the trainer passes config.heads
     if method == "distill":  # a one-layer draft of the target's width, its first layer copied
-        h.n_layers, h.init, h.dim, h.hidden_dim = 1, "layers:0", TINY.dim, TINY.hidden_dim
-        h.n_heads, h.n_kv_heads = TINY.n_heads, TINY.n_kv_heads
-    shape = entry.shape_of(h, TINY, None)
+        settings.n_layers, settings.init = 1, "layers:0"
+        settings.dim, settings.hidden_dim = TINY.dim, TINY.hidden_dim
+        settings.n_heads, settings.n_kv_heads = TINY.n_heads, TINY.n_kv_heads
+    shape = entry.shape_of(settings, TINY, None)
     meta = heads.describe(method, shape, TINY)
     hgraph, hparams = heads.new_heads(meta, TINY, params, seed=0)
     full = heads.drafter_params(meta, hparams, TINY, params)
     taps = tuple(entry.feature_taps(shape, TINY))
-    settings = h  # as the trainer passes config.heads
     h, t = 9, 16
     mask = jnp.broadcast_to(jnp.arange(t) <= h, (2, t)).astype(jnp.int32)
 

@@ -229,6 +229,22 @@ def test_bad_drafts_are_refused_before_anything_is_written(key, value, message, 
     assert not [p for p in (tmp_path / "run").glob("*") if p.name != ".lock"]
 
 
+def test_a_library_call_copying_layers_the_target_lacks_is_refused():
+    """`init` (as `heads.new_heads` calls it, without the trainer's config check) names the missing layers."""
+    h = base_config("distill").heads
+    h.n_layers, h.dim, h.n_heads, h.n_kv_heads, h.init = (
+        2,
+        TINY.dim,
+        TINY.n_heads,
+        TINY.n_kv_heads,
+        "layers:0,5",
+    )
+    heads = trained("distill")
+    with pytest.raises(TrainingConfigError, match=r"names layers \[5\] that the target lacks") as err:
+        heads.init(heads.shape_of(h, TINY, None), TINY, init_params(TINY, 1)[1], 0)
+    assert "\n" not in str(err.value)
+
+
 def test_a_draft_larger_than_the_target_is_allowed_with_a_warning_naming_the_cost(stories, caplog):
     h = base_config("distill").heads
     h.n_layers, h.dim, h.hidden_dim, h.init = 6, 128, 344, "scratch"

@@ -73,9 +73,19 @@ def draft_config(shape: dict, target_cfg: LlamaConfig) -> LlamaConfig:
     return target_cfg.replace(**{k: shape[k] for k in SHAPE}, head_dim=shape["dim"] // shape["n_heads"])
 
 
-def init_layers(spec: str) -> tuple[int, ...] | None:
-    """The target layers an `init` string copies (None: from scratch)."""
-    return None if spec == "scratch" else tuple(int(i) for i in spec.split(":", 1)[1].split(","))
+def init_layers(spec: str, target_cfg: LlamaConfig) -> tuple[int, ...] | None:
+    """The target layers an `init` string copies (None: from scratch); a one-line error for layers the target
+    lacks."""
+    if spec == "scratch":
+        return None
+    layers = tuple(int(i) for i in spec.split(":", 1)[1].split(","))
+    lacking = [i for i in layers if i >= target_cfg.n_layers]
+    if lacking:
+        raise TrainingConfigError(
+            f"config heads.init={spec!r} names layers {lacking} that the target lacks (it has layers "
+            f"0..{target_cfg.n_layers - 1}); name existing layers or pass --config.heads.init=scratch"
+        )
+    return layers
 
 
 def check(h, target_cfg: LlamaConfig) -> None:
@@ -91,14 +101,8 @@ def check(h, target_cfg: LlamaConfig) -> None:
             f"config heads dim={h.dim}, n_heads={h.n_heads}, n_kv_heads={h.n_kv_heads} make no Llama (dim must "
             "divide into n_heads even head sizes, n_heads into n_kv_heads groups); change them"
         )
-    layers = init_layers(h.init)
+    layers = init_layers(h.init, target_cfg)
     if layers is not None:
-        lacking = [i for i in layers if i >= target_cfg.n_layers]
-        if lacking:
-            raise TrainingConfigError(
-                f"config heads.init={h.init!r} names layers {lacking} that the target lacks (it has layers "
-                f"0..{target_cfg.n_layers - 1}); name existing layers or pass --config.heads.init=scratch"
-            )
         if len(layers) != h.n_layers:
             raise TrainingConfigError(
                 f"config heads.init={h.init!r} copies {len(layers)} layers into a draft of {h.n_layers}; "
@@ -131,7 +135,7 @@ def init(shape: dict, target_cfg: LlamaConfig, target_params, seed: int):
     cfg = draft_config(shape, target_cfg)
     graphdef, state = init_params(cfg, seed)
     params = nnx.to_pure_dict(state)
-    layers = init_layers(shape["init"])
+    layers = init_layers(shape["init"], target_cfg)
     if layers is not None:
         source = target_params if isinstance(target_params, dict) else nnx.to_pure_dict(target_params)
         copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)

@@ -109,9 +109,9 @@ def test_exact_copy_of_the_target_has_zero_divergence_and_gradient():
     # is below the logits' rounding; each gradient is below rounding at the magnitude of the gradient a real
     # difference gives.
     depth = forward_depth(cfg.n_layers) + DIVERGENCE_DEPTH
+    value_bound = tolerance(jnp.float32, depth, float(copy["scale"]))[1]
     for name in divergences.DIVERGENCES:
         (value, alpha_t0, grad), (value1, _, grad1) = copy[name], differs[name]
-        value_bound = tolerance(jnp.float32, depth, float(copy["scale"]))[1]
         assert float(alpha_t0) == 1.0 and abs(float(value)) <= value_bound, name
         assert float(grad) <= tolerance(jnp.float32, depth, float(grad1))[1], name
         assert float(value1) > 10 * value_bound, name  # the control is far above the bound

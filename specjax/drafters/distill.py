@@ -73,6 +73,11 @@ def draft_config(shape: dict, target_cfg: LlamaConfig) -> LlamaConfig:
     return target_cfg.replace(**{k: shape[k] for k in SHAPE}, head_dim=shape["dim"] // shape["n_heads"])
 
 
+def sizes(h) -> dict:
+    """The draft's Llama sizes (SHAPE) from `config.heads` or the `DistillTraining` settings."""
+    return {k: getattr(h, k) for k in SHAPE}
+
+
 def init_layers(spec: str, target_cfg: LlamaConfig) -> tuple[int, ...] | None:
     """The target layers an `init` string copies (None: from scratch); a one-line error for layers the target
     lacks."""
@@ -108,14 +113,14 @@ def check(h, target_cfg: LlamaConfig) -> None:
                 f"config heads.init={h.init!r} copies {len(layers)} layers into a draft of {h.n_layers}; "
                 f"name {h.n_layers} layers or set --config.heads.n_layers={len(layers)}"
             )
-        ours = {k: getattr(h, k) for k in SHAPE if k != "n_layers"}
+        ours = {k: v for k, v in sizes(h).items() if k != "n_layers"}
         theirs = {k: getattr(target_cfg, k) for k in ours}
         if ours != theirs:
             raise TrainingConfigError(
                 f"config heads.init={h.init!r} copies target layers, but the draft's sizes {ours} differ from the "
                 f"target's {theirs}; a draft of other widths cannot copy them: pass --config.heads.init=scratch"
             )
-    draft = draft_config({k: getattr(h, k) for k in SHAPE}, target_cfg)
+    draft = draft_config(sizes(h), target_cfg)
     if draft.num_params >= target_cfg.num_params or h.n_layers > target_cfg.n_layers:
         logging.warning(
             "the draft (%d layers, %d parameters) is as large as the target (%d layers, %d parameters) or "
@@ -174,7 +179,7 @@ def draft_logits(cfg: LlamaConfig, graphdef, params, tokens_BT):
 def distill_loss(graphdef, target_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, h):
     """The configured divergence between target and draft at every position whose predicted token has loss
     mask 1, plus the acceptance rates they imply (alpha_T1 = mean(1 - TVD) at T=1, alpha_T0 = argmax match)."""
-    cfg = draft_config({k: getattr(h, k) for k in SHAPE}, target_cfg)
+    cfg = draft_config(sizes(h), target_cfg)
     t = tokens_BT.shape[1]
     target = jnp.einsum("btd,vd->btv", feats_BTH[..., -target_cfg.dim :], params["target_head"])
     draft = draft_logits(cfg, graphdef, params["draft"], tokens_BT)
@@ -202,7 +207,7 @@ def on_policy(graphdef, target_cfg, params, tokens_BT, loss_mask_BT, key, config
     n = int(round(d.on_policy_fraction * b))
     if n == 0:
         return tokens_BT, loss_mask_BT
-    cfg = draft_config({k: config.heads[k] for k in SHAPE}, target_cfg)
+    cfg = draft_config(sizes(config.heads), target_cfg)
     prompt = max(1, t // 8)
     spec = GenerateSpec(
         t - prompt,
@@ -327,7 +332,7 @@ TRAINED = registry.TrainedHeads(
     loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: distill_loss(
         graphdef, cfg, params, feats, tokens, mask, h
     ),
-    shape_of=lambda h, cfg, tokens: {k: getattr(h, k) for k in SHAPE} | {"init": h.init},
+    shape_of=lambda h, cfg, tokens: sizes(h) | {"init": h.init},
     check=check,
     resample=on_policy,
 )

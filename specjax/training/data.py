@@ -328,8 +328,12 @@ def store_provenance(
     """What a feature store depends on: the target that computed the features, the token rows (and their loss
     mask, unless it is all ones), the precision its matrix products ran at (`precision.resolve`), the stored
     dtype, and the target layers tapped beside the final features (EAGLE-3), if any."""
-    record = {"target": target_id, "tokens_sha256": array_digest(corpus.tokens), "dtype": dtype}
-    record["matmul_precision"] = matmul_precision  # TF32 features are not float32 features
+    record = {
+        "target": target_id,
+        "tokens_sha256": array_digest(corpus.tokens),
+        "dtype": dtype,
+        "matmul_precision": matmul_precision,  # TF32 features are not float32 features
+    }
     if not np.all(corpus.loss_mask == 1):
         record["loss_mask_sha256"] = array_digest(corpus.loss_mask)
     return record | ({"feature_layers": list(taps)} if taps else {})

@@ -54,29 +54,31 @@ class SpecStats:
             censored_hist=self.censored_hist.at[kept].add(count * (kept < n_accepted_B)),
         )
 
+    # Read on the host after a run (numpy: no small XLA programs compiled for each draft depth).
     @property
-    def accepted_hist(self) -> jax.Array:
+    def accepted_hist(self) -> np.ndarray:
         """[D+1] row-rounds by number of draft tokens accepted."""
-        return self.depth_accepted.sum(0)
+        return np.asarray(self.depth_accepted).sum(0)
 
     @property
-    def k_hist(self) -> jax.Array:
+    def k_hist(self) -> np.ndarray:
         """[D+1] row-rounds by draft depth: all at the drafter's K (or tree depth) but with adaptive K."""
-        return self.depth_accepted.sum(1)
+        return np.asarray(self.depth_accepted).sum(1)
 
     @property
-    def accepted_at(self) -> jax.Array:
+    def accepted_at(self) -> np.ndarray:
         """[D] row-rounds in which draft position i was accepted (more than i tokens accepted)."""
-        return jnp.cumsum(self.accepted_hist[::-1])[::-1][1:]
+        return np.cumsum(self.accepted_hist[::-1])[::-1][1:]
 
     @property
-    def reached_at(self) -> jax.Array:
+    def reached_at(self) -> np.ndarray:
         """[D] row-rounds in which draft position i was proposed, all positions before it accepted, and it
         was judged (not censored)."""
-        at_least = jnp.cumsum(self.depth_accepted[:, ::-1], axis=1)[:, ::-1][:, :-1]  # [depth, i]: n >= i
-        depth = jnp.arange(at_least.shape[0])[:, None]
-        proposed = jnp.sum(jnp.where(depth > jnp.arange(at_least.shape[1])[None], at_least, 0), axis=0)
-        return proposed - self.censored_hist[:-1]
+        depth_accepted = np.asarray(self.depth_accepted)
+        at_least = np.cumsum(depth_accepted[:, ::-1], axis=1)[:, ::-1][:, :-1]  # [depth, i]: n >= i
+        depth = np.arange(at_least.shape[0])[:, None]
+        proposed = np.sum(np.where(depth > np.arange(at_least.shape[1])[None], at_least, 0), axis=0)
+        return proposed - np.asarray(self.censored_hist)[:-1]
 
 
 @struct.dataclass
@@ -264,7 +266,7 @@ def calibrate(
     run = lambda index, n: jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
     stats = run(len(adaptive.ks) - 1, rounds)  # compiles
     if adaptive.prior is None:
-        rate = float(jnp.sum(stats.accepted_at) / jnp.maximum(jnp.sum(stats.reached_at), 1))
+        rate = float(stats.accepted_at.sum() / max(stats.reached_at.sum(), 1))
         adaptive = dataclasses.replace(adaptive, prior=min(max(rate, 0.05), 0.95))
     if adaptive.costs is None:
 

@@ -21,6 +21,7 @@ from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.drafters.base import feature_taps, propose
 from specjax.layouts import Draft, Verification
+from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import features, forward
 
@@ -266,7 +267,7 @@ def calibrate(
     run = lambda index, n: jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
     stats = run(len(adaptive.ks) - 1, rounds)  # compiles
     if adaptive.prior is None:
-        rate = float(stats.accepted_at.sum() / max(stats.reached_at.sum(), 1))
+        rate = summarize(stats)["acceptance_rate"]
         adaptive = dataclasses.replace(adaptive, prior=min(max(rate, 0.05), 0.95))
     if adaptive.costs is None:
 

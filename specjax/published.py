@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import files
@@ -126,7 +125,7 @@ def getter(tensors: dict, where: Path):
 
 def fill(fresh, pure):
     """`pure` (numpy) in the structure and dtypes of the fresh head parameters `fresh`."""
-    return jax.tree.map(lambda f, a: jnp.asarray(a, f.dtype), fresh, pure)
+    return jax.tree.map(lambda f, a: jax.device_put(np.asarray(a, f.dtype)), fresh, pure)
 
 
 def d2t_t2d(draft_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

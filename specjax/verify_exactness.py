@@ -143,17 +143,22 @@ def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler,
 
     shape = entry.heads.shape_of(base_config(name).heads, target.cfg, None)
     graphdef, params = entry.heads.init(shape, target.cfg, target.params, seed)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [
-        x + 0.5 * (jnp.std(x) if float(jnp.std(x)) > 0 else 1.0) * jax.random.normal(kk, x.shape, x.dtype)
-        if jnp.issubdtype(x.dtype, jnp.floating)
-        else x
-        for x, kk in zip(leaves, keys)
-    ]
-    params = jax.tree.unflatten(treedef, noisy)
+    params = perturbed(params, jax.random.key(seed))
     drafter = entry.heads.drafter(shape, graphdef, target.cfg, k, sampler, tree)
     return drafter, entry.heads.drafter_params(shape, params, target.cfg, target.params)
+
+
+@jax.jit
+def perturbed(params, key):
+    """`params` with Gaussian noise of half each float leaf's spread (of 0.5 where the leaf is constant)."""
+    leaves, treedef = jax.tree.flatten(params)
+    noisy = [
+        x + 0.5 * jnp.where(jnp.std(x) > 0, jnp.std(x), 1.0) * jax.random.normal(kk, x.shape, x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for x, kk in zip(leaves, jax.random.split(key, len(leaves)))
+    ]
+    return jax.tree.unflatten(treedef, noisy)
 
 
 def build_drafter(name, target, k, tree, sampler, tiny: bool, settings: dict | None = None):

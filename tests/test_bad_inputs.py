@@ -706,6 +706,13 @@ def run_in_process(name: str, args: list[str]) -> dict:
     sys.argv = [target, *args]
     for flag in [f for f in flags.FLAGS if f.startswith("config.")]:  # ml_collections adds one per override
         delattr(flags.FLAGS, flag)
+    # The flags of the commands run before, registered under their file paths: absl accepts a command's flags
+    # again only from a module object of another id, and a freed module's id can be reused (a flaky
+    # DuplicateFlagError).
+    for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
+        if os.sep in module:
+            for flag in {f.name for f in defined} & set(flags.FLAGS):
+                delattr(flags.FLAGS, flag)
     status = 0
     with captured_fds() as out:
         try:

@@ -11,6 +11,7 @@ input_layernorm): the head shape `{"input_norm": false}` holds those (`specjax.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import ClassVar
 
@@ -69,6 +70,7 @@ def init_eagle(target_cfg: LlamaConfig, seed: int = 0, input_norm: bool = True):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef",))
 def eagle_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
     """(logits [B, T, V] float32, predicted features [B, T, H], cache). `params` = {"head": the head's
     params, "embed": the target's embedding [V, H], "unembed": the target's LM head [V, H]}."""
@@ -166,6 +168,7 @@ class Eagle(KOrTree):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer_cfg", "noise", "ce_weight"))
 def eagle_loss(
     graphdef, layer_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, key, noise: float, ce_weight: float
 ):

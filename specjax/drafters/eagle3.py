@@ -14,6 +14,7 @@ vocabulary gets q = 0, so sampled drafts stay exact under the acceptance rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import ClassVar
 
@@ -132,6 +133,7 @@ def init_eagle3(target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, 
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef",))
 def eagle3_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
     """(draft-vocabulary logits [B, T, N], output features [B, T, H], cache) for inputs (token i + 1, feature i),
     the features already fused (`Eagle3Head.fuse`) or the head's own. `params` = {"head", "embed", "unembed",
@@ -174,6 +176,7 @@ class Eagle3(Eagle):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer_cfg", "unroll", "step_weight"))
 def eagle3_loss(
     graphdef, layer_cfg, params, feats_BTF, tokens_BT, loss_mask_BT, unroll: int, step_weight: float
 ):

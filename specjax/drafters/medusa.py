@@ -5,6 +5,7 @@ the heads: a chain of top-1 guesses or the Cartesian top-k of the heads along a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 from typing import ClassVar
@@ -52,6 +53,7 @@ def init_medusa(num_heads: int, num_layers: int, unembed_VH: jax.Array):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef",))
 def medusa_logits(graphdef, params, feats_xH: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(feats_xH)
 
@@ -107,6 +109,7 @@ class Medusa(KOrTree):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef", "decay"))
 def medusa_loss(graphdef, params, feats_BTH, tokens_BT, loss_mask_BT, decay: float):
     """Sum over heads i of decay^i * cross-entropy of head i at position t against token t + 2 + i (Medusa-1),
     over the tokens whose loss mask is 1."""

@@ -236,6 +236,7 @@ class Llama(nnx.Module):
 
 
 @precision.follows_params
+@functools.partial(jax.jit, static_argnums=(0, 6))
 def forward(
     graphdef, params, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()
 ):
@@ -261,7 +262,13 @@ def abstract_model(cfg: LlamaConfig):
 
 def init_params(cfg: LlamaConfig, seed: int = 0):
     """(graphdef, random params): for tests and random-weight benchmark shapes."""
-    return nnx.split(Llama(cfg, nnx.Rngs(seed)))
+    return abstract_model(cfg)[0], _random_params(cfg, jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _random_params(cfg: LlamaConfig, key):
+    """The initialisation as one compiled program per config (run eagerly, each initializer compiles its own)."""
+    return nnx.state(Llama(cfg, nnx.Rngs(key)))
 
 
 def init_cache(cfg: LlamaConfig, batch: int, size: int) -> KVCache:

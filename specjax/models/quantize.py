@@ -118,7 +118,7 @@ def quantize(w_OI, quant: Quantization) -> tuple[jax.Array, jax.Array]:
         np.float32
     )  # an all-zero group: any scale is exact
     q = np.clip(np.round(w / np.repeat(scale_OG, group, axis=1)[:, :n_in]), -quant.qmax, quant.qmax)
-    return jnp.asarray(q.astype(jnp.dtype(INT_DTYPES[quant.bits]))), jnp.asarray(scale_OG)
+    return jax.device_put(q.astype(jnp.dtype(INT_DTYPES[quant.bits]))), jax.device_put(scale_OG)
 
 
 def spread(scale_OG: jax.Array, n_in: int, group_size: int) -> jax.Array:

@@ -137,7 +137,7 @@ def params_from_hf(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], put: Cal
 
     d, v, f = cfg.dim, cfg.vocab_size, cfg.hidden_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    put = put or (lambda path, x: jnp.asarray(x))
+    put = put or (lambda path, x: jax.device_put(x))  # jnp.asarray would compile a copy per shape
 
     def get(name, shape):
         if name not in tensors:

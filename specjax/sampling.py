@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,7 @@ class Sampler:
             logits = jnp.where(logits < threshold, NEG_INF, logits)
         return logits
 
+    @functools.partial(jax.jit, static_argnums=0)
     def probs(self, logits: jax.Array) -> jax.Array:
         """The warped distribution [..., V] (a point mass on the argmax when greedy)."""
         return jax.nn.softmax(self.warp(logits), axis=-1)
@@ -77,6 +79,7 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, index, x.shape[-1] - 1), axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames="block")
 def inverse_cdf(probs: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
     """The token i with cdf(i - 1) <= u * total < cdf(i), per row of `probs` [..., V] (`u` [...] in [0, 1)):
     zero-probability tokens are never returned. Blocked: the CDF over the V / block block sums picks a
@@ -104,6 +107,7 @@ def last_positive(x: jax.Array) -> jax.Array:
     return jnp.where(last < 0, x.shape[-1] - 1, last)
 
 
+@jax.jit
 def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row of `probs` [..., V] by inverse CDF with one uniform per row (`jax.random.categorical`
     draws V Gumbel variates, 5x slower at V = 32000 on CPU). Zero-probability tokens are never drawn."""

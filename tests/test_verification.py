@@ -102,7 +102,7 @@ def block_enumerated(case: Case, outcome=block_outcome):
     p_pattern = np.prod(np.where(patterns[:, None], h, 1 - h), axis=-1)  # [P, D]
     n_pat, d = p_pattern.shape
     tile = lambda x: None if x is None else jnp.tile(x, (n_pat,) + (1,) * (x.ndim - 1))
-    tau, nxt = outcome(
+    tau, nxt = jax.jit(outcome)(
         jnp.asarray(eta.reshape(-1, case.k), jnp.float32), tile(case.draft), tile(case.q), tile(case.p_BKV)
     )
     tau, nxt = np.asarray(tau), np.asarray(nxt, np.float64)

@@ -38,6 +38,7 @@ def draft_probs(draft_BK: jax.Array, q_BKV: jax.Array | None, vocab: int, dtype)
     return jax.nn.one_hot(draft_BK, vocab, dtype=dtype) if q_BKV is None else q_BKV
 
 
+@jax.jit
 def block_weights(draft_BK: jax.Array, q_BKV: jax.Array | None, p_BKV: jax.Array):
     """(h [B, K]: h_1..h_K, the probability of passing test i; path [B, K + 1]: p_0..p_K, the path weights)."""
     k = draft_BK.shape[1]

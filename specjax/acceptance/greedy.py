@@ -13,6 +13,7 @@ def first_rejection(accept_BK: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=-1), axis=-1)
 
 
+@jax.jit
 def greedy_chain(draft_BK: jax.Array, target_logits_BKV: jax.Array):
     """Longest prefix where the draft equals the target's argmax, then the target's own token.
 
@@ -23,6 +24,7 @@ def greedy_chain(draft_BK: jax.Array, target_logits_BKV: jax.Array):
     return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
 
 
+@jax.jit
 def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
     """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
 

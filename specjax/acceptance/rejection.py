@@ -17,6 +17,7 @@ from specjax.acceptance.greedy import first_rejection, greedy_chain, greedy_tree
 from specjax.sampling import inverse_cdf
 
 
+@jax.jit
 def acceptance_probs(draft_BK: jax.Array, q_BKV: jax.Array | None, p_BKV: jax.Array) -> jax.Array:
     """min(1, p_i(x_i) / q_i(x_i)) per draft position [B, K]; q=None is a point mass on the draft."""
     k = draft_BK.shape[1]

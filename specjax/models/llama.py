@@ -246,7 +246,8 @@ def forward(
     slots of the uncommitted window `[length, length + W)` each new token sees; the new tokens are
     written at its last T slots (W = T: a plain block of new tokens; W > T: a tree drafted level by
     level). The committed length is unchanged: commit with `cache.advance`, keep a subset with
-    `cache.compact`.
+    `cache.compact`. One compiled program per shape (`graphdef` and `taps` static): called on its own, it does
+    not compile each operation separately; inside a compiled job it is inlined.
     """
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache, mask_BTW, taps)
 

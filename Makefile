@@ -10,6 +10,7 @@ COMPILE = $(PY) -m compileall -q -q -j 0 $(VENV)/lib || true
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.base: pyproject.toml | $(PY)
 	$(INSTALL) -e .

@@ -34,7 +34,7 @@ demo: $(VENV)/.base
 
 # The tests run with jemalloc where the machine has it (Debian's libjemalloc2, which CI's .ci/run installs), keeping
 # freed pages for reuse instead of handing them back to the system: XLA allocates and frees heavily, and three
-# test modules took 15% less CPU and 17% less time so than with glibc's malloc (jemalloc's default decay: 5% less).
+# test modules took 15% less CPU and 17% less time than with glibc's malloc (jemalloc's default decay: 5% less).
 JEMALLOC := $(firstword $(wildcard /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2))
 ifneq ($(JEMALLOC),)
 TEST_ENV := LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1

@@ -19,6 +19,7 @@ BUILTIN = (
     "medusa",
     "eagle",
     "eagle3",
+    "dflash",
     "ngram",
     "layer_skip",
     "lookahead",

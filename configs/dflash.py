@@ -1,0 +1,24 @@
+r"""DFlash block draft for stories260K (self-distilled corpus, the same as configs/eagle3.py's; features online).
+
+python train_heads.py --config=configs/dflash.py --workdir=checkpoints/dflash_stories260K
+python train_heads.py --config=configs/dflash.py:smoke --workdir=/tmp/dflash_smoke   # seconds
+python run_decode.py --drafter=dflash --k=7
+"""
+
+from specjax.training.config import base_config, variant
+
+
+def get_config(name: str = ""):
+    c = base_config("dflash")
+    c.heads.layers = (
+        0,
+        2,
+        4,
+    )  # stories260K's five layers: low, middle, last (z-lab's rule would tap 1 and 2)
+    c.heads.n_layers = 2
+    c.heads.block_size = 16  # decoding drafts any k < 16 with the same head (B = 4, 8, 16 in the tables)
+    c.heads.blocks = 8  # anchors per 128-token sequence: 128 block positions
+    c.heads.decay = 7.0  # the paper's weight for B = 16
+    c.heads.divergence = "forward_kl"
+    c.optimizer.lr = 3e-3
+    return variant(c, name)

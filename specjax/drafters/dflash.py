@@ -1,0 +1,406 @@
+"""DFlash (Chen, Liang, Liu 2026): a block-diffusion draft that proposes a whole block in one forward pass.
+
+Context: the target's residual streams after a few layers (shallow to deep, `layers`), concatenated and fused by
+a linear layer and an RMSNorm into one feature per committed position. Draft: L decoder layers (with per-head q/k
+norms, as the reference's) over the target's frozen embedding of the block [anchor, MASK x (B - 1)], the anchor
+being the pending token and MASK a token of the target's vocabulary (z-lab's `mask_token_id`). In every layer
+the queries are the block's; keys and values are [the context features' ; the block's], so the block sees every
+committed position and itself (bidirectionally); RoPE positions continue the sequence. Block position i >= 1
+gives the distribution of draft token i through the target's frozen LM head: B - 1 distributions from one pass.
+
+The context's keys and values do not depend on the block, so they live in the draft's own static cache: each
+round writes the features the verification pass computed at the tokens it committed (one pass over D + 1
+features), then runs the block (one pass over B tokens). Training draws anchors at random and runs every block
+against the whole sequence's context under the block-causal mask (a block sees the context before its anchor
+and itself), as drafting does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax import heads, precision
+from specjax.drafters import registry
+from specjax.drafters.base import KOrTree, target_io, target_signature
+from specjax.errors import HeadsError
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import Block, Linear, RMSNorm, apply_rope, init_cache, rope_angles
+from specjax.sampling import Sampler
+from specjax.training import divergences, losses
+from specjax.trees import DynamicTree, Tree
+
+
+def paper_layers(n_target_layers: int, n_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's choice of tapped target layers: the middle one for one draft layer, else `n_draft_layers` evenly
+    spread from layer 1 to layer L - 3 (clipped to the target's layers)."""
+    if n_draft_layers == 1:
+        return (n_target_layers // 2,)
+    start, end = 1, n_target_layers - 3
+    spread = [round(start + i * (end - start) / (n_draft_layers - 1)) for i in range(n_draft_layers)]
+    return tuple(min(max(i, 0), n_target_layers - 1) for i in spread)
+
+
+class DFlashLayer(Block):
+    """A decoder layer of the target's shape with per-head RMSNorms on queries and keys (before RoPE), whose keys
+    and values are also computed from the context features (`context`)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, rngs: nnx.Rngs):
+        super().__init__(cfg, layer, rngs)
+        dt = jnp.dtype(cfg.dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dt)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dt)
+
+    def heads(self, qkv, cos, sin):
+        b, t, _ = qkv.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = apply_rope(self.q_norm(qkv[..., : h * hd].reshape(b, t, h, hd)), cos, sin)
+        k = apply_rope(self.k_norm(qkv[..., h * hd : (h + kv) * hd].reshape(b, t, kv, hd)), cos, sin)
+        return q, k, qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd)
+
+    def context(self, ctx_BNH, cos, sin):
+        """Keys and values [B, N, kv heads, D] of N context features (the rows of the k/v projection only)."""
+        b, n, _ = ctx_BNH.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        kvp = jnp.einsum("bnd,od->bno", ctx_BNH, self.wqkv.matrix()[h * hd :])
+        if self.wqkv.bias is not None:
+            kvp = kvp + self.wqkv.bias[h * hd :]
+        k = apply_rope(self.k_norm(kvp[..., : kv * hd].reshape(b, n, kv, hd)), cos, sin)
+        return k, kvp[..., kv * hd :].reshape(b, n, kv, hd)
+
+
+class DFlashHead(nnx.Module):
+    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, rngs: nnx.Rngs):
+        dt, dim = jnp.dtype(draft_cfg.dtype), draft_cfg.dim
+        self.fc = Linear(n_taps * dim, dim, False, dt, rngs)
+        self.hidden_norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
+        self.layers = nnx.List([DFlashLayer(draft_cfg, i, rngs) for i in range(draft_cfg.n_layers)])
+        self.norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
+        self.inv_freq = tuple(float(f) for f in draft_cfg.inv_freq())
+
+    def context(self, taps_BNF):
+        """The fused context features [B, N, H] from the target's tapped layers [B, N, n_taps * H]."""
+        return self.hidden_norm(self.fc(taps_BNF))
+
+    def extend(self, taps_BNF, positions_BN, cache):
+        """The cache with every layer's context keys/values of N positions written after its committed length
+        (not committed: the caller sets the length)."""
+        ctx = self.context(taps_BNF)
+        cos, sin = rope_angles(self.inv_freq, positions_BN, cache.size)
+        for layer in self.layers:
+            k, v = layer.context(ctx, cos, sin)
+            cache = cache.write(layer.layer, k.swapaxes(1, 2), v.swapaxes(1, 2))
+        return cache
+
+    def __call__(self, embeds_BTH, positions_BT, cache):
+        """The block's final features [B, T, H]: it sees the committed context and the whole block."""
+        b, t, _ = embeds_BTH.shape
+        cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
+        visible = cache.visible(jnp.ones((b, t, t), bool))
+        x = embeds_BTH
+        for layer in self.layers:
+            x, cache = layer(x, cos, sin, cache, visible, 0)
+        return self.norm(x)
+
+    def blocks(self, embeds_BNTH, positions_BNT, taps_BSF, anchors_BN):
+        """Training: the final features [B, N, T, H] of N blocks over one sequence's S context positions, block n
+        seeing the context before its anchor and itself (what drafting at that anchor sees)."""
+        b, n, t, dim = embeds_BNTH.shape
+        s = taps_BSF.shape[1]
+        ctx = self.context(taps_BSF)
+        ctx_cos, ctx_sin = rope_angles(self.inv_freq, jnp.broadcast_to(jnp.arange(s), (b, s)), s + t)
+        cos, sin = rope_angles(self.inv_freq, positions_BNT.reshape(b, n * t), s + t)
+        sees_ctx = jnp.arange(s)[None, None] < anchors_BN[:, :, None]  # [B, N, S]
+        sees_ctx = jnp.repeat(sees_ctx, t, axis=1)  # [B, NT, S]
+        same_block = jnp.repeat(jnp.repeat(jnp.eye(n, dtype=bool), t, 0), t, 1)  # [NT, NT]
+        visible = jnp.concatenate([sees_ctx, jnp.broadcast_to(same_block, (b, n * t, n * t))], -1)
+        x = embeds_BNTH.reshape(b, n * t, dim)
+        for layer in self.layers:
+            q, k, v = layer.heads(layer.wqkv(layer.attn_norm(x)), cos, sin)
+            k_ctx, v_ctx = layer.context(ctx, ctx_cos, ctx_sin)
+            attn = attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1), visible)
+            x = layer.residual(x, attn)
+        return self.norm(x).reshape(b, n, t, dim)
+
+
+def attend(q_BTHD, k_BSKD, v_BSKD, visible_BTS):
+    """Grouped-query attention [B, T, heads * D] of T queries over S keys where `visible_BTS`."""
+    b, t, h, d = q_BTHD.shape
+    kv = k_BSKD.shape[2]
+    q = q_BTHD.reshape(b, t, kv, h // kv, d) * d**-0.5
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD).reshape(b, t, h * d)
+
+
+def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:
+    """The draft's decoder layers: `n_layers` layers of the target's shape."""
+    return target_cfg.replace(n_layers=n_layers)
+
+
+def init_dflash(target_cfg: LlamaConfig, n_layers: int, n_taps: int, seed: int = 0):
+    """(graphdef, params as a pure dict) of a fresh head."""
+    graphdef, state = nnx.split(DFlashHead(draft_config(target_cfg, n_layers), n_taps, nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+@precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def dflash_extend(graphdef, params, taps_BNF, positions_BN, cache):
+    """The draft cache with N context positions' keys/values written after its committed length."""
+    return nnx.merge(graphdef, params["head"]).extend(taps_BNF, positions_BN, cache)
+
+
+@precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def dflash_block(graphdef, params, tokens_BT, positions_BT, cache):
+    """Logits [B, T, V] float32 of the block `tokens_BT` over the committed context; position i >= 1 is the
+    distribution of draft token i. `params` = {"head", "embed", "unembed"}."""
+    embeds = jnp.take(params["embed"], tokens_BT, axis=0)
+    x = nnx.merge(graphdef, params["head"])(embeds, positions_BT, cache)
+    return jnp.einsum("btd,vd->btv", x, params["unembed"]).astype(jnp.float32)
+
+
+@struct.dataclass
+class DFlashState:
+    cache: (
+        object  # the draft layers' context keys/values; committed: every position before the pending token
+    )
+    taps: (
+        jax.Array
+    )  # [B, D + 1, F] the target's tapped features at the last round's pending and accepted tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash(KOrTree):
+    """Drafter: a block of k + 1 tokens (the pending one and k masks) drafted in one pass; chains sampled from the
+    per-position distributions, static trees from their top-k, or dynamic trees (EAGLE-2's search over them)."""
+
+    draft_cfg: LlamaConfig
+    graphdef: object
+    k: int
+    sampler: Sampler = Sampler()
+    tree: Tree | DynamicTree | None = None
+    feature_taps: tuple[int, ...] = ()
+    mask_token: int = 0
+
+    def validate(self, target_cfg: LlamaConfig) -> None:
+        mine = self.draft_cfg
+        if (
+            target_signature(mine) != target_signature(target_cfg)
+            or max(self.feature_taps) >= target_cfg.n_layers
+        ):
+            raise HeadsError(
+                f"this DFlash head was built for a target of vocabulary {mine.vocab_size}, width {mine.dim} and "
+                f"at least {max(self.feature_taps) + 1} layers, not vocabulary {target_cfg.vocab_size}, width "
+                f"{target_cfg.dim} and {target_cfg.n_layers} layers (or another layer shape): train a head for "
+                "this target"
+            )
+        if not 0 <= self.mask_token < target_cfg.vocab_size:
+            raise HeadsError(
+                f"this DFlash head's mask token {self.mask_token} is outside the target's vocabulary of "
+                f"{target_cfg.vocab_size}: train a head for this target"
+            )
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.feature_taps) * self.draft_cfg.dim  # the tapped layers; the final features follow
+
+    def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
+        batch, width = tokens_BP.shape
+        positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+        cache = init_cache(self.draft_cfg, batch, cache_size)
+        cache = dflash_extend(self.graphdef, params, feats_BPH[..., : self.n_taps], positions, cache)
+        taps = jnp.zeros((batch, self.shape.depth + 1, self.n_taps), feats_BPH.dtype)
+        return DFlashState(cache.with_length(lengths_B), taps)
+
+    def propose(self, params, state: DFlashState, seq_BS, n_tokens_B, key):
+        # the last round's committed tokens join the context: every position before the pending token
+        w = state.taps.shape[1]
+        positions = state.cache.length[:, None] + jnp.arange(w)[None]
+        cache = dflash_extend(self.graphdef, params, state.taps, positions, state.cache)
+        cache = cache.with_length(n_tokens_B - 1)
+        b = self.k + 1
+        pending = jnp.take_along_axis(seq_BS, (n_tokens_B - 1)[:, None], axis=1)
+        tokens = jnp.concatenate([pending, jnp.full((pending.shape[0], self.k), self.mask_token)], 1)
+        positions = (n_tokens_B - 1)[:, None] + jnp.arange(b)[None]
+        logits = dflash_block(self.graphdef, params, tokens.astype(jnp.int32), positions, cache)[:, 1:]
+
+        def step(cache_, tokens_BT, positions_BT, mask_BTW, ctx):  # a node's children: the next position's
+            depth = positions_BT - n_tokens_B[:, None] + 1
+            index = jnp.minimum(depth, self.k - 1)[..., None]
+            return jnp.take_along_axis(logits, index, axis=1), ctx, cache_
+
+        draft, _ = self.shape.search(step, self.sampler, logits[:, 0], None, n_tokens_B, cache, key)
+        return draft, DFlashState(cache, state.taps)
+
+    def commit(self, params, state: DFlashState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
+        return state.replace(taps=feats_BDH[..., : self.n_taps])
+
+
+def choose_anchors(key, loss_mask_BT, n_blocks: int):
+    """(anchors [B, N], valid [B, N]): N distinct positions a in [1, T - 2] per row whose token a + 1 has loss
+    mask 1, drawn uniformly (Gumbel top-N); a row with fewer such positions pads with invalid ones."""
+    b, t = loss_mask_BT.shape
+    a = jnp.arange(t)
+    ok = (a >= 1) & (a <= t - 2) & (jnp.roll(loss_mask_BT, -1, axis=1) > 0)
+    scores = jnp.where(ok, jax.random.gumbel(key, (b, t)), -jnp.inf)
+    top, anchors = jax.lax.top_k(scores, n_blocks)
+    return anchors, top > -jnp.inf
+
+
+@precision.follows_params
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "dim", "n_blocks", "block_size", "decay", "divergence")
+)
+def dflash_loss(
+    graphdef,
+    dim: int,
+    params,
+    feats_BTF,
+    tokens_BT,
+    loss_mask_BT,
+    key,
+    n_blocks: int,
+    block_size: int,
+    decay: float,
+    divergence: str,
+    mask_token: int,
+):
+    """Random anchors (`choose_anchors`), each the block [token a, MASK x (B - 1)] at positions a .. a + B - 1
+    over the context before a; block position i predicts token a + i, whose loss mask must be 1. The loss is the
+    mean over those terms, weighted exp(-(i - 1) / decay), of `divergence` between the target's distribution of
+    token a + i and the block's ("cross_entropy": against the data's token a + i).
+    `feats_BTF`: the tapped layers' outputs then the final features."""
+    b, t, width = feats_BTF.shape
+    taps, final = feats_BTF[..., : width - dim], feats_BTF[..., width - dim :]
+    anchors, valid = choose_anchors(key, loss_mask_BT, n_blocks)
+    offsets = jnp.arange(block_size)
+    positions = anchors[:, :, None] + offsets  # [B, N, T_block]
+    block = jnp.where(offsets == 0, jnp.take_along_axis(tokens_BT, anchors, 1)[:, :, None], mask_token)
+    head = nnx.merge(graphdef, params["head"])
+    x = head.blocks(jnp.take(params["embed"], block, axis=0), positions, taps, anchors)[:, :, 1:]
+    logits = jnp.einsum("bnid,vd->bniv", x, params["unembed"]).astype(jnp.float32)
+    predicted = jnp.minimum(
+        positions[:, :, 1:], t - 1
+    )  # token a + i; its target distribution is at a + i - 1
+    at = lambda a_BT, idx=predicted: jax.vmap(lambda row, i: row[i])(a_BT, idx)
+    unembed = jax.lax.stop_gradient(params["unembed"])
+    target_logits = at(jnp.einsum("btd,vd->btv", final, unembed).astype(jnp.float32), predicted - 1)
+    i = offsets[1:]
+    weight = valid[:, :, None] & (positions[:, :, 1:] <= t - 1) & (at(loss_mask_BT) > 0)
+    weight = weight * jnp.exp(-(i - 1) / decay)
+    if divergence == "cross_entropy":
+        terms = losses.cross_entropy(logits, at(tokens_BT))
+    else:
+        terms = divergences.divergence(divergence, target_logits, logits)
+    loss = jnp.sum(terms * weight) / jnp.maximum(jnp.sum(weight), 1e-9)
+    hit = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+    counted = weight > 0
+    run = jnp.cumprod(hit | ~counted, axis=-1) & counted  # greedy: accepted while every earlier one agrees
+    blocks_counted = jnp.maximum(jnp.sum(counted[..., 0]), 1)
+    metrics = {
+        "loss": loss,
+        "top1": jnp.sum(hit & counted) / jnp.maximum(jnp.sum(counted), 1),
+        "tau_greedy": 1
+        + jnp.sum(run) / blocks_counted,  # accepted per round, bonus included, at these anchors
+    }
+    return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTraining:
+    """`config.heads` of a DFlash training run."""
+
+    layers: tuple = ()  # target layers whose outputs form the context; () = z-lab's rule (`paper_layers`)
+    n_layers: int = 1  # draft decoder layers
+    block_size: int = 8  # B: the anchor and B - 1 masks (decoding drafts k = B - 1 by default)
+    blocks: int = 8  # anchors drawn per training sequence
+    decay: float = 4.0  # block position i's loss weighs exp(-(i - 1) / decay) (the paper's 4 for B = 8)
+    divergence: str = (
+        "forward_kl"  # against the target's distribution; or "cross_entropy" on the data's tokens
+    )
+    mask_token: int = 0  # the target token whose embedding is MASK (stories260K's <unk>)
+    RULES: ClassVar = {
+        "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
+        "n_layers": (lambda v: 1 <= v <= 5, "must be 1..5"),
+        "block_size": (lambda v: v >= 2, "must be >= 2"),
+        "blocks": (lambda v: v >= 1, "must be >= 1"),
+        "decay": (lambda v: v > 0, "must be > 0"),
+        "divergence": (
+            lambda v: v in ("cross_entropy", *divergences.DIVERGENCES),
+            f"must be cross_entropy or one of {divergences.DIVERGENCES}",
+        ),
+        "mask_token": (lambda v: v >= 0, "must be a token id >= 0"),
+    }
+
+
+def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
+    """The head's shape in heads.json: its context layers, draft layers, block size and mask token."""
+    layers = list(h.layers) or list(paper_layers(target_cfg.n_layers, h.n_layers))
+    if max(layers) >= target_cfg.n_layers or h.mask_token >= target_cfg.vocab_size:
+        raise HeadsError(
+            f"config heads.layers={layers} or heads.mask_token={h.mask_token} is outside the target's "
+            f"{target_cfg.n_layers} layers or {target_cfg.vocab_size} tokens; choose ones it has"
+        )
+    return {
+        "layers": layers,
+        "n_layers": h.n_layers,
+        "block_size": h.block_size,
+        "mask_token": h.mask_token,
+    }
+
+
+def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> DFlash:
+    draft_cfg = draft_config(cfg, shape["n_layers"])
+    return DFlash(draft_cfg, graphdef, k, sampler, tree, tuple(shape["layers"]), shape["mask_token"])
+
+
+def drafter_params(shape, params, cfg, target_params) -> dict:
+    return {"head": params, **target_io(cfg, target_params)}
+
+
+def tiny_example(target, k, tree, sampler):
+    """(drafter, params) of a fresh two-layer head on verify_exactness's tiny target."""
+    cfg = target.cfg
+    shape = head_shape(DFlashTraining(n_layers=2), cfg, None)
+    graphdef, params = init_dflash(cfg, 2, len(shape["layers"]), seed=1)
+    return make_drafter(shape, graphdef, cfg, k, sampler, tree), drafter_params(
+        shape, params, cfg, target.params
+    )
+
+
+heads.register(
+    "dflash",
+    registry.TrainedHeads(
+        settings=DFlashTraining,
+        init=lambda shape, cfg, target_params, seed: init_dflash(
+            cfg, shape["n_layers"], len(shape["layers"]), seed
+        ),
+        drafter_params=drafter_params,
+        drafter=make_drafter,
+        loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: dflash_loss(
+            graphdef,
+            cfg.dim,
+            params,
+            feats,
+            tokens,
+            mask,
+            key,
+            h.blocks,
+            h.block_size,
+            h.decay,
+            h.divergence,
+            h.mask_token,
+        ),
+        shape_of=head_shape,
+        feature_taps=lambda shape, cfg: tuple(shape["layers"]),
+    ),
+    example=tiny_example,
+)

@@ -1,0 +1,166 @@
+"""DFlash: greedy decoding equals AR for chains, static and dynamic trees with ragged prompts; sampled dynamic
+trees pass verify_exactness (its negative control caught); the training loss's blocks compute exactly what
+drafting computes at the same anchor (a block seeing later context would be caught); anchors respect the loss
+mask; heads that do not fit a target are refused; the committed stories260K head drafts AR's tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HEADS, TINY
+from helpers import TARGET, greedy_case
+from tolerance import assert_close, assert_far, forward_depth
+
+from specjax import heads, verify_exactness
+from specjax.decoding import speculative_generate
+from specjax.drafters import registry
+from specjax.drafters.dflash import choose_anchors, dflash_block, dflash_extend, paper_layers
+from specjax.errors import HeadsError
+from specjax.metrics import summarize
+from specjax.models.llama import init_cache
+from specjax.sampling import Sampler
+from specjax.training.losses import target_features
+from specjax.trees import DynamicTree, balanced
+
+LAYERS = (1, 0)
+
+
+def dflash(cfg, params, n_layers=2, block_size=4, seed=3):
+    """(meta, graphdef, head params) of a fresh DFlash head."""
+    shape = {"layers": list(LAYERS), "n_layers": n_layers, "block_size": block_size, "mask_token": 0}
+    meta = heads.describe("dflash", shape, cfg)
+    return (meta, *heads.new_heads(meta, cfg, params, seed))
+
+
+def drafter(cfg, params, head, k, sampler=Sampler(), tree=None):  # noqa: B008 (frozen)
+    meta, graphdef, hparams = head
+    d = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
+    return d, heads.drafter_params(meta, hparams, cfg, params)
+
+
+def test_greedy_equals_ar():
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
+    head = dflash(cfg, params)
+    for tree in (None, balanced(2, 3), DynamicTree(3, 3, 8)):
+        d, dparams = drafter(cfg, params, head, 3, tree=tree)
+        gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar, err_msg=str(tree))
+
+
+def test_dynamic_tree_sampling_is_exact():
+    """One-sample chi-square against the enumerated target distribution, with the no-residual control caught (the
+    chain's case, token-wise and block, is test_verification's, as every drafter's)."""
+    report = verify_exactness.verify("dflash", ("tokenwise",), tree="dynamic:2,2,4")
+    assert report.passed and report.greedy_identical, report.format()
+
+
+def test_paper_layers():
+    """z-lab's rule: the middle layer for one draft layer, else spread evenly over layers 1 .. L - 3."""
+    assert paper_layers(36, 1) == (18,)
+    assert paper_layers(36, 5) == (1, 9, 17, 25, 33)
+    assert paper_layers(5, 2) == (1, 2)
+
+
+def test_anchors_follow_the_loss_mask():
+    mask = np.zeros((3, 12), np.int32)
+    mask[0, 5:9] = 1  # anchors 4..7 predict a token with loss mask 1
+    mask[1] = 1  # anchors 1..10
+    anchors, valid = choose_anchors(jax.random.key(0), jnp.asarray(mask), 6)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    assert sorted(anchors[0][valid[0]]) == [4, 5, 6, 7] and valid[0].sum() == 4
+    assert valid[1].all() and len(set(anchors[1])) == 6 and set(anchors[1]) <= set(range(1, 11))
+    assert not valid[2].any()
+
+
+@pytest.fixture(scope="module")
+def training_case():
+    graphdef, params = TARGET
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, TINY.vocab_size, (2, 14)), jnp.int32)
+    feats = target_features(TINY, graphdef, params, tokens, LAYERS)
+    meta, hgraph, hparams = dflash(TINY, params, block_size=4)
+    return hgraph, heads.drafter_params(meta, hparams, TINY, params), feats, tokens
+
+
+def drafted_logits(hgraph, dparams, feats, tokens, anchor, block_size, context=None):
+    """The drafting path: the context before `anchor` written into the draft cache, then the block."""
+    b = tokens.shape[0]
+    n = len(LAYERS) * TINY.dim
+    context = anchor if context is None else context
+    cache = init_cache(TINY.replace(n_layers=2), b, 32)
+    positions = jnp.broadcast_to(jnp.arange(context), (b, context))
+    cache = dflash_extend(hgraph, dparams, feats[:, :context, :n], positions, cache).with_length(
+        jnp.full((b,), context)
+    )
+    block = jnp.concatenate([tokens[:, anchor : anchor + 1], jnp.zeros((b, block_size - 1), jnp.int32)], 1)
+    positions = jnp.broadcast_to(anchor + jnp.arange(block_size), (b, block_size))
+    return dflash_block(hgraph, dparams, block, positions, cache)
+
+
+def test_training_blocks_are_the_drafting_pass(training_case):
+    """Each training block's logits equal the drafting pass at its anchor (context written to the cache, then
+    the block), for several anchors at once; a block that also saw its anchor's own context feature differs."""
+    from flax import nnx
+
+    from specjax import precision
+
+    hgraph, dparams, feats, tokens = training_case
+    n, bs = len(LAYERS) * TINY.dim, 4
+    anchors = jnp.asarray([[2, 5, 9], [1, 6, 10]])
+    offsets = jnp.arange(bs)
+    positions = anchors[:, :, None] + offsets
+    block = jnp.where(offsets == 0, jnp.take_along_axis(tokens, anchors, 1)[:, :, None], 0)
+
+    @precision.follows_params
+    def trained(dparams):
+        head = nnx.merge(hgraph, dparams["head"])
+        x = head.blocks(jnp.take(dparams["embed"], block, axis=0), positions, feats[..., :n], anchors)
+        return jnp.einsum("bntd,vd->bntv", x, dparams["unembed"])
+
+    got = trained(dparams)
+    depth = forward_depth(2) + 2  # the fusion and its norm
+    for row in range(2):
+        for j in range(3):
+            a = int(anchors[row, j])
+            want = drafted_logits(hgraph, dparams, feats, tokens, a, bs)[row]
+            assert_close(got[row, j], want, dtype=jnp.float32, depth=depth)
+    leaky = drafted_logits(hgraph, dparams, feats, tokens, 5, bs, context=6)[0]
+    assert_far(got[0, 1], leaky, dtype=jnp.float32, depth=depth)
+
+
+def test_loss_reaches_every_head_parameter(training_case):
+    """The loss is finite, its greedy tau estimate within [1, B], and every head parameter has a gradient."""
+    from specjax.drafters.dflash import dflash_loss
+
+    hgraph, dparams, feats, tokens = training_case
+    mask = jnp.ones(tokens.shape, jnp.int32)
+
+    def loss(p):
+        return dflash_loss(
+            hgraph, TINY.dim, p, feats, tokens, mask, jax.random.key(0), 3, 4, 4.0, "forward_kl", 0
+        )
+
+    (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams)
+    assert np.isfinite(float(value)) and 1.0 <= float(metrics["tau_greedy"]) <= 4.0
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["head"]))
+
+
+def test_head_for_another_target_is_refused():
+    graphdef, params = TARGET
+    head = dflash(TINY, params)
+    d, _ = drafter(TINY, params, head, 3)
+    with pytest.raises(HeadsError, match="DFlash head was built for a target"):
+        d.validate(TINY.replace(dim=48))
+    trained = registry.trained("dflash")
+    with pytest.raises(HeadsError, match="heads.layers"):  # a context layer the target lacks
+        trained.shape_of(trained.settings(layers=(5,)), TINY, None)
+
+
+@pytest.mark.skipif(not (HEADS / "stories260K_dflash").exists(), reason="no committed DFlash head yet")
+def test_committed_head_drafts_ar_tokens(stories):
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
+    entry = registry.get("dflash")
+    for k, tree in ((7, None), (6, DynamicTree(8, 6, 48))):
+        d, dparams = entry.build(stories, entry.settings(), k, tree, Sampler())
+        gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+        assert summarize(gen.stats)["tau"] > 3.0

@@ -59,13 +59,16 @@ tables: $(VENV)/.tables
 bench-memory: $(VENV)/.base
 	$(PY) -m experiments.bench_memory_bound
 
-# Trains the default Medusa and EAGLE heads and the distilled draft model on stories260K into heads/.
+# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation and the distilled draft
+# model on stories260K into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
-	for m in medusa eagle eagle3; do \
+	for m in medusa eagle eagle3 dflash; do \
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done
+	$(PY) train_heads.py --config=configs/dflash.py --config.heads.n_layers=1 --workdir=checkpoints/dflash_l1_stories260K
+	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_l1_stories260K', 'heads/stories260K_dflash_l1')"
 	$(PY) train_heads.py --config=configs/draft.py --workdir=checkpoints/distill_stories260K
 	$(PY) -c "from specjax.drafters import distill; distill.export_model('checkpoints/distill_stories260K', \
 	  'heads/stories260K_distill', 'checkpoints/stories260K')"

@@ -73,6 +73,8 @@ KINDS = (
     "eagle dynamic",
     "eagle3 chain",
     "eagle3 dynamic",
+    "dflash chain",
+    "dflash dynamic",
 )
 
 
@@ -109,6 +111,11 @@ class Settings:
     name: str = "bench_memory_bound"
     dtype: str = "float32"  # of the target, its expansion and the drafters built from them
     sweeps: bool = True  # the K and batch tables
+    dflash_blocks: tuple[int, ...] = (
+        4,
+        8,
+        16,
+    )  # DFlash's block sizes B (chains of B - 1 drafted in one pass)
 
 
 SMOKE = Settings(
@@ -183,6 +190,18 @@ def head_step(drafter, dim: int):
         feats = jnp.zeros(tokens.shape + (dim,), jnp.float32)
         logits, _, cache = drafter.apply(params, tokens, feats, positions, cache, mask)
         return logits, cache
+
+    return step
+
+
+def dflash_step(drafter):
+    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each)."""
+    from specjax.drafters.dflash import dflash_block, dflash_extend
+
+    def step(params, tokens, positions, cache, mask):
+        taps = jnp.zeros((*tokens.shape, drafter.n_taps), jnp.float32) + tokens[..., None]
+        cache = dflash_extend(drafter.graphdef, params, taps, positions, cache)
+        return dflash_block(drafter.graphdef, params, tokens, positions, cache), cache
 
     return step
 
@@ -270,7 +289,8 @@ def load(settings: Settings):
     cfg, graphdef, params = expand.expand(small.cfg, small.params, e)
     draft = expand.truncated_original(cfg, params, e, small.cfg.n_layers, settings.draft_layers)
     loaded = {}
-    for method in ("medusa", "eagle", "eagle3"):
+    uses_dflash = any(kind.startswith("dflash") for kind in settings.kinds)
+    for method in ("medusa", "eagle", "eagle3") + (("dflash",) if uses_dflash else ()):
         meta, hgraph, hparams = heads.load_heads(HEADS / f"stories260K_{method}", small.cfg, small.params)
         big = expand.expand_heads(meta, hparams, small.cfg, cfg, params, e)
         loaded[method] = {"small": (meta, hgraph, hparams), "big": big}
@@ -364,6 +384,15 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
             )
         for method in ("eagle", "eagle3"):  # EAGLE's cost is needed for the pilot, EAGLE-3's for the sweeps
             fns[(method, b)] = eagle_step(loaded, method, target, b, settings.calls)
+        if "dflash" in loaded:  # one call drafts a block: its cost per block size
+            meta, hgraph, hparams = loaded["dflash"]["big"]
+            for size in settings.dflash_blocks:
+                drafter = heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler())
+                dparams = heads.drafter_params(meta, hparams, cfg, params)
+                cache = half_cache(drafter.draft_cfg, b)
+                fns[(("dflash", size), b)] = pass_loop(
+                    dflash_step(drafter), dparams, cache, b, size, settings.calls
+                )
         if any(kind.startswith("medusa") for kind in settings.kinds):
             _, mgraph, mparams = loaded["medusa"]["big"]
             fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
@@ -473,6 +502,11 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
         for t in dynamic:
             desc = f"dynamic {t.top_k},{t.depth},{t.total_tokens}"
             out.append((f"{method} dynamic", method, desc, t.depth, t))
+    for size in settings.dflash_blocks:
+        out.append(("dflash chain", "dflash", f"block B={size}, chain of {size - 1}", size - 1, None))
+    for t in dynamic[:1]:  # the block's per-position top-k, searched as EAGLE-2 searches
+        desc = f"B={t.depth + 1}, dynamic {t.top_k},{t.depth},{t.total_tokens}"
+        out.append(("dflash dynamic", "dflash", desc, t.depth, t))
     return [row[1:] for row in out if row[0] in settings.kinds]
 
 
@@ -619,8 +653,13 @@ def decode_rows(
         for (method, desc), (drafter, _) in drafters.items():
             m = pooled([g.stats for g in outputs[(method, desc)]])
             v = interp_cost(curves[b], drafter.shape.size) / one
-            c = 0.0 if method in ("n-gram", "retrieval", "lookahead") else costs[(method, b)] / one
-            calls = {"medusa": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
+            key = (
+                (("dflash", block_measured(costs, b, drafter.shape.depth + 1)), b)
+                if method == "dflash"
+                else None
+            )
+            c = 0.0 if method in ("n-gram", "retrieval", "lookahead") else costs[key or (method, b)] / one
+            calls = {"medusa": 1, "dflash": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
                 method, drafter.shape.depth
             )
             chain = isinstance(drafter.shape, Chain)
@@ -642,6 +681,13 @@ def decode_rows(
             )
             print(rows[-1], flush=True)
     return rows
+
+
+def block_measured(costs: dict, b: int, size: int) -> int:
+    """The smallest DFlash block size >= `size` whose draft cost was measured at batch b (an upper bound)."""
+    return min(
+        s for (kind, bb) in costs if bb == b and isinstance(kind, tuple) for s in [kind[1]] if s >= size
+    )
 
 
 def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[dict]:

@@ -97,17 +97,20 @@ def heads_builder(method: str):
                 f"or the heads of a {method} run"
             )
         drafter = make_drafter(meta, graphdef, target.cfg, k, sampler, tree)
+        options = {
+            f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "heads"
+        }
+        drafter = dataclasses.replace(drafter, **options)  # a head type's own settings are drafter fields
         return drafter, drafter_params(meta, params, target.cfg, target.params)
 
     return build
 
 
-def register(method: str, trained: registry.TrainedHeads, example=None) -> None:
-    """Registers a trained-head drafter: its CLI setting is `--heads`, its builder loads them (`example`: see
-    `registry.Entry`)."""
-    entry = registry.Entry(
-        method, HeadsSettings, heads_builder(method), HeadsSettings.HELP, trained, example
-    )
+def register(method: str, trained: registry.TrainedHeads, example=None, settings=HeadsSettings) -> None:
+    """Registers a trained-head drafter: its CLI settings are `--heads` and the fields a subclass of
+    `HeadsSettings` adds (fields of its drafter, with their help in `HELP`); its builder loads the heads
+    (`example`: see `registry.Entry`)."""
+    entry = registry.Entry(method, settings, heads_builder(method), settings.HELP, trained, example)
     registry.register(entry)
 
 

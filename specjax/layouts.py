@@ -23,6 +23,14 @@ class Draft:
     )  # [B, K|N, V] warped distribution each token was drawn from; None: deterministic
     layout: ChainLayout | TreeLayout
     without_replacement: bool = struct.field(pytree_node=False, default=False)  # tree siblings drawn so
+    # a chain whose verified prefix is chosen on device: `choice` [] indexes the static `lengths`
+    lengths: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    choice: jax.Array | None = None
+
+    def prefix(self, k: int) -> Draft:
+        """The chain's first k tokens as a draft of its own."""
+        q = None if self.q_probs is None else self.q_probs[:, :k]
+        return Draft(self.tokens[:, :k], q, ChainLayout(k))
 
 
 @struct.dataclass

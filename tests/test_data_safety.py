@@ -360,7 +360,11 @@ def test_feature_store_of_another_target_or_corpus_is_refused(tmp_path, stories,
         ("heads.decay", 0.0, "heads.decay=0.0 must be > 0"),
         ("heads.num_heads", 0, "heads.num_heads=0 must be >= 1"),
         ("method", "eagle", "heads keys ['decay', 'num_heads', 'num_layers'] are not the eagle settings"),
-        ("method", "ngram", "method='ngram' is not one of ['dflash', 'distill', 'eagle', 'eagle3', 'medusa']"),
+        (
+            "method",
+            "ngram",
+            "method='ngram' is not one of ['dflash', 'distill', 'eagle', 'eagle3', 'medusa']",
+        ),
     ],
 )
 def test_bad_settings_fail_before_anything_runs(key, value, message, tmp_path):

@@ -3,6 +3,8 @@ trees pass verify_exactness (its negative control caught); the training loss's b
 drafting computes at the same anchor (a block seeing later context would be caught); anchors respect the loss
 mask; heads that do not fit a target are refused; the committed stories260K head drafts AR's tokens."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from tolerance import assert_close, assert_far, forward_depth
 from specjax import heads, verify_exactness
 from specjax.decoding import speculative_generate
 from specjax.drafters import registry
-from specjax.drafters.dflash import choose_anchors, dflash_block, dflash_extend, paper_layers
+from specjax.drafters.dflash import DFlash, choose_anchors, dflash_block, dflash_extend, paper_layers
 from specjax.errors import HeadsError
 from specjax.metrics import summarize
 from specjax.models.llama import init_cache
@@ -25,9 +27,10 @@ from specjax.trees import DynamicTree, balanced
 LAYERS = (1, 0)
 
 
-def dflash(cfg, params, n_layers=2, block_size=4, seed=3):
+def dflash(cfg, params, n_layers=2, block_size=4, seed=3, confidence=False):
     """(meta, graphdef, head params) of a fresh DFlash head."""
     shape = {"layers": list(LAYERS), "n_layers": n_layers, "block_size": block_size, "mask_token": 0}
+    shape |= {"confidence": True} if confidence else {}
     meta = heads.describe("dflash", shape, cfg)
     return (meta, *heads.new_heads(meta, cfg, params, seed))
 
@@ -77,7 +80,7 @@ def training_case():
     graphdef, params = TARGET
     tokens = jnp.asarray(np.random.default_rng(2).integers(3, TINY.vocab_size, (2, 14)), jnp.int32)
     feats = target_features(TINY, graphdef, params, tokens, LAYERS)
-    meta, hgraph, hparams = dflash(TINY, params, block_size=4)
+    meta, hgraph, hparams = dflash(TINY, params, block_size=4, confidence=True)
     return hgraph, heads.drafter_params(meta, hparams, TINY, params), feats, tokens
 
 
@@ -93,7 +96,7 @@ def drafted_logits(hgraph, dparams, feats, tokens, anchor, block_size, context=N
     )
     block = jnp.concatenate([tokens[:, anchor : anchor + 1], jnp.zeros((b, block_size - 1), jnp.int32)], 1)
     positions = jnp.broadcast_to(anchor + jnp.arange(block_size), (b, block_size))
-    return dflash_block(hgraph, dparams, block, positions, cache)
+    return dflash_block(hgraph, dparams, block, positions, cache)[0]
 
 
 def test_training_blocks_are_the_drafting_pass(training_case):
@@ -128,7 +131,8 @@ def test_training_blocks_are_the_drafting_pass(training_case):
 
 
 def test_loss_reaches_every_head_parameter(training_case):
-    """The loss is finite, its greedy tau estimate within [1, B], and every head parameter has a gradient."""
+    """The loss is finite, its greedy tau estimate within [1, B], and every head parameter (the confidence head's
+    too) has a gradient."""
     from specjax.drafters.dflash import dflash_loss
 
     hgraph, dparams, feats, tokens = training_case
@@ -136,7 +140,7 @@ def test_loss_reaches_every_head_parameter(training_case):
 
     def loss(p):
         return dflash_loss(
-            hgraph, TINY.dim, p, feats, tokens, mask, jax.random.key(0), 3, 4, 4.0, "forward_kl", 0
+            hgraph, TINY.dim, p, feats, tokens, mask, jax.random.key(0), 3, 4, 4.0, "forward_kl", 0, 1.0
         )
 
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams)
@@ -164,3 +168,68 @@ def test_committed_head_drafts_ar_tokens(stories):
         gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
         assert summarize(gen.stats)["tau"] > 3.0
+
+
+# --- the confidence head: each round verifies the prefix it expects to pay ------------------------------------
+
+
+class VaryingChoice(DFlash):
+    """A confidence-sized drafter whose choice varies from round to round with the block (whatever the head's
+    scores), so the tests see every branch of the compiled round."""
+
+    def choose(self, confidence_BK2):
+        return (jnp.sum(jnp.abs(confidence_BK2)) * 1e3).astype(jnp.int32) % len(self.verify_lengths)
+
+
+def confident(cfg, params, seed=3):
+    """make(k, sampler, tree) -> (VaryingChoice drafter, params) of a fresh head with a confidence head."""
+    shape = {"layers": list(LAYERS), "n_layers": 1, "block_size": 4, "mask_token": 0, "confidence": True}
+    meta = heads.describe("dflash", shape, cfg)
+    graphdef, hparams = heads.new_heads(meta, cfg, params, seed)
+
+    def make(k, sampler, tree=None):
+        d = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
+        fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
+        return VaryingChoice(**fields), heads.drafter_params(meta, hparams, cfg, params)
+
+    return make
+
+
+def test_the_choice_maximises_expected_tokens_per_cost():
+    d = DFlash(TINY, None, 7, Sampler(), has_confidence=True, verify_cost=0.1)
+    assert d.verify_lengths == (2, 4, 7)
+    p = np.array([[0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], [0.9, 0.8, 0.1, 0.5, 0.5, 0.5, 0.5]])
+    for rows, sampler_column in (([0], 0), ([1], 0), ([0, 1], 0), ([1], 1)):
+        conf = np.zeros((len(rows), 7, 2), np.float32)
+        conf[..., sampler_column] = np.log(p[rows] / (1 - p[rows]))  # logits of p
+        sampler = Sampler() if sampler_column == 0 else Sampler(1.0)
+        choice = int(dataclasses.replace(d, sampler=sampler).choose(jnp.asarray(conf)))
+        gains = [
+            np.mean(1 + np.cumsum(np.cumprod(p[rows], 1), 1)[:, m - 1]) / (1 + 0.1 * m) for m in (2, 4, 7)
+        ]
+        assert choice == int(np.argmax(gains)), (rows, gains)
+    assert dataclasses.replace(d, confidence=False).verify_lengths == ()
+    assert dataclasses.replace(d, tree=balanced(2, 7)).verify_lengths == ()  # trees verify whole
+
+
+def test_confidence_sized_rounds_equal_ar():
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
+    d, dparams = confident(cfg, params)(7, Sampler())
+    gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    chosen = np.flatnonzero(gen.stats.k_hist)  # rounds by verified length
+    np.testing.assert_array_equal(chosen, [2, 4, 7])
+
+
+def test_confidence_sized_sampling_is_exact(monkeypatch):
+    """Token-wise and block verification of chains whose verified length changes from round to round pass
+    verify_exactness, their controls caught."""
+    entry = registry.Entry(
+        "dflash_sized",
+        registry.get("dflash").settings,
+        None,
+        example=lambda target, k, tree, sampler: confident(target.cfg, target.params)(k, sampler, tree),
+    )
+    monkeypatch.setitem(registry.DRAFTERS, "dflash_sized", entry)
+    report = verify_exactness.verify("dflash_sized", ("tokenwise", "block"), k=3)
+    assert report.passed and report.greedy_identical, report.format()

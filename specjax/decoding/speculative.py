@@ -143,7 +143,26 @@ def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: Loo
         drafter, drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft, loop.cache
     )
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
-    verdict, cache = verify(graphdef, params, spec, draft, pending, cache, k_accept, feature_taps(drafter))
+    checked = lambda d, lp: verify_and_commit(
+        graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B
+    )
+    if draft.choice is None:
+        loop, n_accepted, path, feats, feedback = checked(draft, loop)
+    else:  # the verified prefix chosen on device: one compiled branch per length
+        branches = [functools.partial(lambda k, lp: checked(draft.prefix(k), lp), k) for k in draft.lengths]
+        loop, n_accepted, path, feats, feedback = jax.lax.switch(draft.choice, branches, loop)
+    drafter_state = drafter.commit(
+        drafter_params, drafter_state, n_accepted, loop.n_tokens_B, path, feats, **feedback
+    )
+    return loop.replace(drafter_state=drafter_state)
+
+
+def verify_and_commit(
+    graphdef, params, spec, drafter, draft, pending_B, cache, key, loop: LoopState, limit_B
+):
+    """`verify` then `commit`: (loop state, accepted counts, path and features padded to the largest depth, the
+    drafter's feedback as keyword arguments)."""
+    verdict, cache = verify(graphdef, params, spec, draft, pending_B, cache, key, feature_taps(drafter))
     active, depth = ~loop.done_B, verdict.path.shape[1]
     loop = commit(loop, draft.layout, verdict, cache, spec, limit_B)
     if spec.adaptive_k is not None:
@@ -153,10 +172,7 @@ def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: Loo
     pad = ((0, 0), (0, loop.stats.depth_accepted.shape[0] - 1 - depth))  # to the largest K's depth
     path, feats = jnp.pad(verdict.path, pad), jnp.pad(verdict.features, pad + ((0, 0),))
     feedback = {} if verdict.feedback is None else {"feedback": verdict.feedback}
-    drafter_state = drafter.commit(
-        drafter_params, drafter_state, verdict.n_accepted, loop.n_tokens_B, path, feats, **feedback
-    )
-    return loop.replace(drafter_state=drafter_state)
+    return loop, verdict.n_accepted, path, feats, feedback
 
 
 def adaptive_rounds(

@@ -23,6 +23,8 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx, struct
 
 from specjax import heads, precision
@@ -75,12 +77,15 @@ class DFlashLayer(Block):
 
 
 class DFlashHead(nnx.Module):
-    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, rngs: nnx.Rngs):
+    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, confidence: bool, rngs: nnx.Rngs):
         dt, dim = jnp.dtype(draft_cfg.dtype), draft_cfg.dim
         self.fc = Linear(n_taps * dim, dim, False, dt, rngs)
         self.hidden_norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
         self.layers = nnx.List([DFlashLayer(draft_cfg, i, rngs) for i in range(draft_cfg.n_layers)])
         self.norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
+        # DSpark's confidence head: logits of each block position's acceptance given all before it, greedy and
+        # sampled (T = 1)
+        self.confidence = Linear(dim, 2, True, dt, rngs) if confidence else None
         self.inv_freq = tuple(float(f) for f in draft_cfg.inv_freq())
 
     def context(self, taps_BNF):
@@ -144,9 +149,12 @@ def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:
     return target_cfg.replace(n_layers=n_layers)
 
 
-def init_dflash(target_cfg: LlamaConfig, n_layers: int, n_taps: int, seed: int = 0):
+def init_dflash(
+    target_cfg: LlamaConfig, n_layers: int, n_taps: int, confidence: bool = False, seed: int = 0
+):
     """(graphdef, params as a pure dict) of a fresh head."""
-    graphdef, state = nnx.split(DFlashHead(draft_config(target_cfg, n_layers), n_taps, nnx.Rngs(seed)))
+    head = DFlashHead(draft_config(target_cfg, n_layers), n_taps, confidence, nnx.Rngs(seed))
+    graphdef, state = nnx.split(head)
     return graphdef, nnx.to_pure_dict(state)
 
 
@@ -160,11 +168,14 @@ def dflash_extend(graphdef, params, taps_BNF, positions_BN, cache):
 @precision.follows_params
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def dflash_block(graphdef, params, tokens_BT, positions_BT, cache):
-    """Logits [B, T, V] float32 of the block `tokens_BT` over the committed context; position i >= 1 is the
-    distribution of draft token i. `params` = {"head", "embed", "unembed"}."""
+    """(logits [B, T, V] float32, confidence logits [B, T, 2] float32 or None) of the block `tokens_BT` over the
+    committed context; position i >= 1 is the distribution of draft token i. `params` = {"head", "embed",
+    "unembed"}."""
     embeds = jnp.take(params["embed"], tokens_BT, axis=0)
-    x = nnx.merge(graphdef, params["head"])(embeds, positions_BT, cache)
-    return jnp.einsum("btd,vd->btv", x, params["unembed"]).astype(jnp.float32)
+    head = nnx.merge(graphdef, params["head"])
+    x = head(embeds, positions_BT, cache)
+    logits = jnp.einsum("btd,vd->btv", x, params["unembed"]).astype(jnp.float32)
+    return logits, None if head.confidence is None else head.confidence(x).astype(jnp.float32)
 
 
 @struct.dataclass
@@ -189,6 +200,16 @@ class DFlash(KOrTree):
     tree: Tree | DynamicTree | None = None
     feature_taps: tuple[int, ...] = ()
     mask_token: int = 0
+    has_confidence: bool = False  # the head has a confidence head
+    confidence: bool = True  # size each chain's verified prefix with it (where the head has one)
+    verify_cost: float = 0.1  # the cost of verifying one more token, relative to a round's fixed cost
+
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        """The verified prefix lengths a confidence-sized chain chooses from (one compiled round each)."""
+        if not (self.has_confidence and self.confidence) or self.tree is not None:
+            return ()
+        return tuple(sorted({max(1, (self.k + 1) // 4), max(1, (self.k + 1) // 2), self.k}))
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.draft_cfg
@@ -230,7 +251,8 @@ class DFlash(KOrTree):
         pending = jnp.take_along_axis(seq_BS, (n_tokens_B - 1)[:, None], axis=1)
         tokens = jnp.concatenate([pending, jnp.full((pending.shape[0], self.k), self.mask_token)], 1)
         positions = (n_tokens_B - 1)[:, None] + jnp.arange(b)[None]
-        logits = dflash_block(self.graphdef, params, tokens.astype(jnp.int32), positions, cache)[:, 1:]
+        logits, confidence = dflash_block(self.graphdef, params, tokens.astype(jnp.int32), positions, cache)
+        logits = logits[:, 1:]
 
         def step(cache_, tokens_BT, positions_BT, mask_BTW, ctx):  # a node's children: the next position's
             depth = positions_BT - n_tokens_B[:, None] + 1
@@ -238,7 +260,17 @@ class DFlash(KOrTree):
             return jnp.take_along_axis(logits, index, axis=1), ctx, cache_
 
         draft, _ = self.shape.search(step, self.sampler, logits[:, 0], None, n_tokens_B, cache, key)
+        if self.verify_lengths:
+            draft = draft.replace(lengths=self.verify_lengths, choice=self.choose(confidence[:, 1:]))
         return draft, DFlashState(cache, state.taps)
+
+    def choose(self, confidence_BK2):
+        """Index of the verified length maximising the batch's mean expected tokens per round over its cost,
+        (1 + sum over i <= m of P(positions 1..i accepted)) / (1 + verify_cost x m)."""
+        c = jax.nn.sigmoid(confidence_BK2[..., 0 if self.sampler.greedy else 1])
+        expected = 1 + jnp.cumsum(jnp.cumprod(c, axis=1), axis=1)  # [B, K]: verifying m tokens, at m - 1
+        m = jnp.asarray(self.verify_lengths)
+        return jnp.argmax(jnp.mean(expected[:, m - 1] / (1 + self.verify_cost * m), axis=0))
 
     def commit(self, params, state: DFlashState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state.replace(taps=feats_BDH[..., : self.n_taps])
@@ -272,11 +304,14 @@ def dflash_loss(
     decay: float,
     divergence: str,
     mask_token: int,
+    confidence_weight: float,
 ):
     """Random anchors (`choose_anchors`), each the block [token a, MASK x (B - 1)] at positions a .. a + B - 1
     over the context before a; block position i predicts token a + i, whose loss mask must be 1. The loss is the
     mean over those terms, weighted exp(-(i - 1) / decay), of `divergence` between the target's distribution of
-    token a + i and the block's ("cross_entropy": against the data's token a + i).
+    token a + i and the block's ("cross_entropy": against the data's token a + i). A confidence head adds
+    `confidence_weight` x its binary cross-entropy (unweighted by position) against each position's acceptance:
+    greedy, the argmaxes agree; sampled, 1 - TVD(p, q) (`divergences.acceptance`), the draft detached.
     `feats_BTF`: the tapped layers' outputs then the final features."""
     b, t, width = feats_BTF.shape
     taps, final = feats_BTF[..., : width - dim], feats_BTF[..., width - dim :]
@@ -303,9 +338,17 @@ def dflash_loss(
     loss = jnp.sum(terms * weight) / jnp.maximum(jnp.sum(weight), 1e-9)
     hit = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
     counted = weight > 0
+    metrics = {}
+    if head.confidence is not None:
+        sampled, _ = divergences.acceptance(target_logits, jax.lax.stop_gradient(logits))
+        labels = jnp.stack([hit.astype(jnp.float32), sampled], -1)
+        scores = head.confidence(x).astype(jnp.float32)
+        bce = jnp.sum(optax.sigmoid_binary_cross_entropy(scores, labels), -1)
+        metrics["confidence_bce"] = losses.masked_mean(bce, counted.astype(jnp.float32))
+        loss = loss + confidence_weight * metrics["confidence_bce"]
     run = jnp.cumprod(hit | ~counted, axis=-1) & counted  # greedy: accepted while every earlier one agrees
     blocks_counted = jnp.maximum(jnp.sum(counted[..., 0]), 1)
-    metrics = {
+    metrics |= {
         "loss": loss,
         "top1": jnp.sum(hit & counted) / jnp.maximum(jnp.sum(counted), 1),
         "tau_greedy": 1
@@ -327,6 +370,8 @@ class DFlashTraining:
         "forward_kl"  # against the target's distribution; or "cross_entropy" on the data's tokens
     )
     mask_token: int = 0  # the target token whose embedding is MASK (stories260K's <unk>)
+    confidence: bool = False  # train a confidence head (DSpark) beside the draft
+    confidence_weight: float = 1.0  # its loss's weight
     RULES: ClassVar = {
         "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
         "n_layers": (lambda v: 1 <= v <= 5, "must be 1..5"),
@@ -338,6 +383,7 @@ class DFlashTraining:
             f"must be cross_entropy or one of {divergences.DIVERGENCES}",
         ),
         "mask_token": (lambda v: v >= 0, "must be a token id >= 0"),
+        "confidence_weight": (lambda v: v >= 0, "must be >= 0"),
     }
 
 
@@ -349,17 +395,19 @@ def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
             f"config heads.layers={layers} or heads.mask_token={h.mask_token} is outside the target's "
             f"{target_cfg.n_layers} layers or {target_cfg.vocab_size} tokens; choose ones it has"
         )
-    return {
+    shape = {
         "layers": layers,
         "n_layers": h.n_layers,
         "block_size": h.block_size,
         "mask_token": h.mask_token,
     }
+    return shape | ({"confidence": True} if h.confidence else {})
 
 
 def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> DFlash:
     draft_cfg = draft_config(cfg, shape["n_layers"])
-    return DFlash(draft_cfg, graphdef, k, sampler, tree, tuple(shape["layers"]), shape["mask_token"])
+    layers, confidence = tuple(shape["layers"]), shape.get("confidence", False)
+    return DFlash(draft_cfg, graphdef, k, sampler, tree, layers, shape["mask_token"], confidence)
 
 
 def drafter_params(shape, params, cfg, target_params) -> dict:
@@ -376,12 +424,65 @@ def tiny_example(target, k, tree, sampler):
     )
 
 
+def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
+    """The head for the expanded target (`specjax.models.expand`): fc fuses the tapped layers' original dims; each
+    layer as the expander builds a target layer, with the q/k rows rescaled for the per-head norms (their mean runs
+    over the wide head and their epsilon is the wide config's) and the extra dims of original key heads zeroed."""
+    d, d2, hd, hd2 = cfg.dim, expansion.dim, cfg.head_dim, expansion.head_dim
+    n_taps = p["fc"]["weight"].shape[1] // d
+    fc = np.zeros((d2, n_taps * d2), ex.dt)
+    for i in range(n_taps):
+        fc[:d, i * d2 : i * d2 + d] = p["fc"]["weight"][:, i * d : (i + 1) * d]
+    scale = np.sqrt(hd2 / hd)  # the softmax scale the expander folds into the query rows
+    c = np.sqrt(ex.cfg2.norm_eps / cfg.norm_eps * hd2 / hd)  # rows x c: the norm's output grows by `scale`
+    q2, k2 = expansion.n_heads * hd2, expansion.n_kv_heads * hd2
+    q_rows, k_rows = ex.head_rows(cfg.n_heads), ex.head_rows(cfg.n_kv_heads)
+    layers = {}
+    for i, layer in p["layers"].items():
+        new = ex.block(layer, np.random.default_rng([expansion.seed, 10**6 + int(i)]))
+        w = new["wqkv"]["weight"]
+        w[q_rows] *= c / scale
+        unused = (np.arange(k2) < cfg.n_kv_heads * hd2) & ~np.isin(np.arange(k2), k_rows)
+        w[q2 : q2 + k2][unused] = (
+            0  # extra dims of original key heads: the key norm's mean must not see them
+        )
+        w[q2 + k_rows] *= c
+        if "bias" in new["wqkv"]:
+            b = new["wqkv"]["bias"]
+            b[q_rows] *= c / scale
+            b[q2 : q2 + k2][unused] = 0
+            b[q2 + k_rows] *= c
+        q_norm, k_norm = np.ones(hd2, ex.dt), np.ones(hd2, ex.dt)
+        q_norm[ex.dmap] = layer["q_norm"]["weight"]
+        k_norm[ex.dmap] = np.asarray(layer["k_norm"]["weight"]) / scale
+        layers[i] = new | {"q_norm": {"weight": q_norm}, "k_norm": {"weight": k_norm}}
+    new = {
+        "fc": {"weight": fc},
+        "hidden_norm": {"weight": ex.norm(p["hidden_norm"]["weight"])},
+        "layers": layers,
+        "norm": {"weight": ex.norm(p["norm"]["weight"])},
+    }
+    where = expansion.original_layers(cfg.n_layers)
+    return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashSettings(heads.HeadsSettings):
+    confidence: bool = True
+    verify_cost: float = 0.1
+    HELP = heads.HeadsSettings.HELP | {
+        "confidence": "With a head that has a confidence head: verify only the prefix of the block it expects to "
+        "pay (one of about K/4, K/2 and K tokens, chosen each round).",
+        "verify_cost": "The cost of verifying one more token relative to a round's fixed cost, for that choice.",
+    }
+
+
 heads.register(
     "dflash",
     registry.TrainedHeads(
         settings=DFlashTraining,
         init=lambda shape, cfg, target_params, seed: init_dflash(
-            cfg, shape["n_layers"], len(shape["layers"]), seed
+            cfg, shape["n_layers"], len(shape["layers"]), shape.get("confidence", False), seed
         ),
         drafter_params=drafter_params,
         drafter=make_drafter,
@@ -398,9 +499,12 @@ heads.register(
             h.decay,
             h.divergence,
             h.mask_token,
+            h.confidence_weight,
         ),
         shape_of=head_shape,
         feature_taps=lambda shape, cfg: tuple(shape["layers"]),
+        expand=expand_heads,
     ),
     example=tiny_example,
+    settings=DFlashSettings,
 )

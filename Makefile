@@ -59,8 +59,8 @@ tables: $(VENV)/.tables
 bench-memory: $(VENV)/.base
 	$(PY) -m experiments.bench_memory_bound
 
-# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation and the distilled draft
-# model on stories260K into heads/.
+# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, the parallel EAGLE-3 head
+# and the distilled draft model on stories260K into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
 	for m in medusa eagle eagle3 dflash; do \
@@ -69,6 +69,9 @@ heads: $(VENV)/.base
 	done
 	$(PY) train_heads.py --config=configs/dflash.py --config.heads.n_layers=1 --workdir=checkpoints/dflash_l1_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_l1_stories260K', 'heads/stories260K_dflash_l1')"
+	$(PY) train_heads.py --config=configs/eagle3_parallel.py --workdir=checkpoints/eagle3_parallel_stories260K
+	$(PY) -c "from specjax import heads; heads.export('checkpoints/eagle3_parallel_stories260K', \
+	  'heads/stories260K_eagle3_parallel')"
 	$(PY) train_heads.py --config=configs/draft.py --workdir=checkpoints/distill_stories260K
 	$(PY) -c "from specjax.drafters import distill; distill.export_model('checkpoints/distill_stories260K', \
 	  'heads/stories260K_distill', 'checkpoints/stories260K')"

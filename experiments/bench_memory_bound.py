@@ -74,6 +74,7 @@ KINDS = (
     "eagle3 chain",
     "eagle3 dynamic",
     "dflash chain",
+    "dflash sized",
     "dflash dynamic",
 )
 
@@ -199,9 +200,9 @@ def dflash_step(drafter):
     from specjax.drafters.dflash import dflash_block, dflash_extend
 
     def step(params, tokens, positions, cache, mask):
-        taps = jnp.zeros((*tokens.shape, drafter.n_taps), jnp.float32) + tokens[..., None]
+        taps = jnp.zeros((*tokens.shape, drafter.taps_width), jnp.float32) + tokens[..., None]
         cache = dflash_extend(drafter.graphdef, params, taps, positions, cache)
-        return dflash_block(drafter.graphdef, params, tokens, positions, cache), cache
+        return dflash_block(drafter.graphdef, params, tokens, positions, cache)[0], cache
 
     return step
 
@@ -322,10 +323,12 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     if method in ("n-gram", "lookahead"):
         entry = registry.get("ngram" if method == "n-gram" else method)
         return entry.build(None, entry.settings(), k, tree, sampler)
-    meta, hgraph, hparams = loaded[method][which]
-    return heads.make_drafter(meta, hgraph, cfg, k, sampler, tree), heads.drafter_params(
-        meta, hparams, cfg, params
-    )
+    meta, hgraph, hparams = loaded["dflash" if method.startswith("dflash") else method][which]
+    drafter = heads.make_drafter(meta, hgraph, cfg, k, sampler, tree)
+    # "dflash sized": its confidence head sizes each round's verified prefix
+    if method.startswith("dflash"):
+        drafter = dataclasses.replace(drafter, confidence=method == "dflash sized")
+    return drafter, heads.drafter_params(meta, hparams, cfg, params)
 
 
 def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None, bucket: int = 32):
@@ -504,6 +507,9 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
             out.append((f"{method} dynamic", method, desc, t.depth, t))
     for size in settings.dflash_blocks:
         out.append(("dflash chain", "dflash", f"block B={size}, chain of {size - 1}", size - 1, None))
+    for size in settings.dflash_blocks[-1:]:
+        desc = f"block B={size}, verified prefix sized by the confidence head"
+        out.append(("dflash sized", "dflash sized", desc, size - 1, None))
     for t in dynamic[:1]:  # the block's per-position top-k, searched as EAGLE-2 searches
         desc = f"B={t.depth + 1}, dynamic {t.top_k},{t.depth},{t.total_tokens}"
         out.append(("dflash dynamic", "dflash", desc, t.depth, t))
@@ -652,17 +658,22 @@ def decode_rows(
         )
         for (method, desc), (drafter, _) in drafters.items():
             m = pooled([g.stats for g in outputs[(method, desc)]])
-            v = interp_cost(curves[b], drafter.shape.size) / one
-            key = (
-                (("dflash", block_measured(costs, b, drafter.shape.depth + 1)), b)
-                if method == "dflash"
-                else None
-            )
+            verified = drafter.shape.size - 1
+            if getattr(drafter, "verify_lengths", ()):  # confidence-sized: the mean verified length
+                hist = sum(np.asarray(g.stats.k_hist) for g in outputs[(method, desc)])
+                verified = float(np.dot(np.arange(len(hist)), hist) / hist.sum())
+            v = interp_cost(curves[b], verified + 1) / one
+            dflash = method.startswith("dflash")
+            key = (("dflash", block_measured(costs, b, drafter.shape.depth + 1)), b) if dflash else None
             c = 0.0 if method in ("n-gram", "retrieval", "lookahead") else costs[key or (method, b)] / one
-            calls = {"medusa": 1, "dflash": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
-                method, drafter.shape.depth
+            calls = (
+                1
+                if dflash
+                else {"medusa": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
+                    method, drafter.shape.depth
+                )
             )
-            chain = isinstance(drafter.shape, Chain)
+            chain = isinstance(drafter.shape, Chain) and verified == drafter.shape.depth
             e_tokens = (
                 expected_tokens_per_round(m["acceptance_rate"], drafter.shape.depth) if chain else m["tau"]
             )

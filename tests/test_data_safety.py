@@ -528,3 +528,28 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
     ]
     assert len(logged) == 3 and all(np.isfinite(logged))
     assert (tmp_path / "run" / files.LOCK).read_text() == ""
+
+
+def test_a_head_setting_added_since_resumes_at_its_default(trained):
+    """A workdir recorded before a head setting existed resumes while the setting keeps its default (what the
+    older run trained with), and records it; set otherwise, it is a changed config."""
+    workdir, config = trained
+    path = workdir / trainer.CONFIG
+    recorded = json.loads(path.read_text())
+    config = config.copy_and_resolve_references()
+    config.optimizer.lr = recorded["config"]["optimizer.lr"]  # as the workdir holds it after the test above
+    defaults = dataclasses.asdict(registry.trained(config.method).settings())
+    key = next(
+        f"heads.{k}" for k, v in defaults.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    assert recorded["config"][key] == defaults[key[6:]]
+    older = {**recorded, "config": {k: v for k, v in recorded["config"].items() if k != key}}
+    path.write_text(json.dumps(older))
+    assert trainer.train(config, workdir)["step"] == 3
+    assert json.loads(path.read_text())["config"][key] == defaults[key[6:]]  # recorded now
+    path.write_text(json.dumps(older))
+    changed = config.copy_and_resolve_references()
+    changed.heads[key[6:]] = defaults[key[6:]] * 2 + 1
+    with pytest.raises(files.ProvenanceError, match=rf"{key}: .* -> "):
+        trainer.train(changed, workdir)
+    path.write_text(json.dumps(recorded))

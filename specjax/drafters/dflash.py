@@ -180,12 +180,10 @@ def dflash_block(graphdef, params, tokens_BT, positions_BT, cache):
 
 @struct.dataclass
 class DFlashState:
-    cache: (
-        object  # the draft layers' context keys/values; committed: every position before the pending token
-    )
-    taps: (
-        jax.Array
-    )  # [B, D + 1, F] the target's tapped features at the last round's pending and accepted tokens
+    # the draft layers' context keys/values; committed: every position before the pending token
+    cache: object
+    # [B, D + 1, F] the target's tapped features at the last round's pending and accepted tokens
+    taps: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,15 +228,16 @@ class DFlash(KOrTree):
             )
 
     @property
-    def n_taps(self) -> int:
-        return len(self.feature_taps) * self.draft_cfg.dim  # the tapped layers; the final features follow
+    def taps_width(self) -> int:
+        """The width of the tapped layers' features (the final features follow them in the loop's)."""
+        return len(self.feature_taps) * self.draft_cfg.dim
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
         batch, width = tokens_BP.shape
         positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
         cache = init_cache(self.draft_cfg, batch, cache_size)
-        cache = dflash_extend(self.graphdef, params, feats_BPH[..., : self.n_taps], positions, cache)
-        taps = jnp.zeros((batch, self.shape.depth + 1, self.n_taps), feats_BPH.dtype)
+        cache = dflash_extend(self.graphdef, params, feats_BPH[..., : self.taps_width], positions, cache)
+        taps = jnp.zeros((batch, self.shape.depth + 1, self.taps_width), feats_BPH.dtype)
         return DFlashState(cache.with_length(lengths_B), taps)
 
     def propose(self, params, state: DFlashState, seq_BS, n_tokens_B, key):
@@ -273,7 +272,7 @@ class DFlash(KOrTree):
         return jnp.argmax(jnp.mean(expected[:, m - 1] / (1 + self.verify_cost * m), axis=0))
 
     def commit(self, params, state: DFlashState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
-        return state.replace(taps=feats_BDH[..., : self.n_taps])
+        return state.replace(taps=feats_BDH[..., : self.taps_width])
 
 
 def choose_anchors(key, loss_mask_BT, n_blocks: int):
@@ -311,7 +310,8 @@ def dflash_loss(
     mean over those terms, weighted exp(-(i - 1) / decay), of `divergence` between the target's distribution of
     token a + i and the block's ("cross_entropy": against the data's token a + i). A confidence head adds
     `confidence_weight` x its binary cross-entropy (unweighted by position) against each position's acceptance:
-    greedy, the argmaxes agree; sampled, 1 - TVD(p, q) (`divergences.acceptance`), the draft detached.
+    greedy, the argmaxes agree; sampled, 1 - TVD(p, q) (`divergences.acceptance`); it reads the draft's features
+    detached, so it does not change the draft.
     `feats_BTF`: the tapped layers' outputs then the final features."""
     b, t, width = feats_BTF.shape
     taps, final = feats_BTF[..., : width - dim], feats_BTF[..., width - dim :]
@@ -342,7 +342,8 @@ def dflash_loss(
     if head.confidence is not None:
         sampled, _ = divergences.acceptance(target_logits, jax.lax.stop_gradient(logits))
         labels = jnp.stack([hit.astype(jnp.float32), sampled], -1)
-        scores = head.confidence(x).astype(jnp.float32)
+        # its loss leaves the draft alone
+        scores = head.confidence(jax.lax.stop_gradient(x)).astype(jnp.float32)
         bce = jnp.sum(optax.sigmoid_binary_cross_entropy(scores, labels), -1)
         metrics["confidence_bce"] = losses.masked_mean(bce, counted.astype(jnp.float32))
         loss = loss + confidence_weight * metrics["confidence_bce"]

@@ -9,6 +9,13 @@ the same way ("training-time test") with the loss on the token distribution at e
 
 Draft tokens are mapped back to target ids (`draft_ids`, the d2t map); a target token outside the draft
 vocabulary gets q = 0, so sampled drafts stay exact under the acceptance rule.
+
+A parallel head (head shape `"parallel": true`, P-EAGLE / PARD style) drafts K tokens in one pass: after the slot
+of the pending token, which reads (its embedding, the target's feature before it) as above and gives depth 1, come
+K - 1 slots reading two learned vectors, a MASK embedding and a MASK feature, at the positions that follow; slot j
+(causal, over the head's committed cache) gives the distribution of depth j + 1 whatever was drafted before it, so
+a chain samples each depth from its own distribution (trees take each depth's top-k). Training runs the same
+slots at every anchor, against the target's distributions of the tokens they stand for.
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ from flax import nnx
 from specjax import heads, precision, published
 from specjax.drafters import registry
 from specjax.drafters.base import target_io
-from specjax.drafters.eagle import Eagle, check_published_layer, layer_config
-from specjax.errors import HeadsError
+from specjax.drafters.eagle import Eagle, EagleState, check_published_layer, layer_config
+from specjax.errors import HeadsError, TrainingConfigError
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import Block, Linear, RMSNorm, rope_angles
+from specjax.models.llama import Block, Linear, RMSNorm, causal_mask, rope_angles
 from specjax.models.weights import CheckpointError
 from specjax.training import losses
 
@@ -63,13 +70,27 @@ class FusedInputBlock(Block):
 
 
 class Eagle3Head(nnx.Module):
-    def __init__(self, layer_cfg: LlamaConfig, n_taps: int, n_draft: int, rngs: nnx.Rngs):
+    def __init__(
+        self, layer_cfg: LlamaConfig, n_taps: int, n_draft: int, rngs: nnx.Rngs, parallel: bool = False
+    ):
         dt, dim = jnp.dtype(layer_cfg.dtype), layer_cfg.dim
         self.fc = Linear(n_taps * dim, dim, False, dt, rngs)
         self.layer = FusedInputBlock(layer_cfg, rngs)
         self.norm = RMSNorm(dim, layer_cfg.norm_eps, dt)
         self.lm_head = Linear(dim, n_draft, False, dt, rngs)
+        # a parallel head's draft slots read these in place of (token embedding, feature)
+        vector = lambda: nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (dim,), dt))
+        self.mask_embed = vector() if parallel else None
+        self.mask_feature = vector() if parallel else None
         self.inv_freq = tuple(float(f) for f in layer_cfg.inv_freq())
+
+    def masked(self, embeds_BTH, feats_BTH, masked_BT):
+        """The inputs with a parallel head's MASK embedding and MASK feature where `masked_BT`."""
+        m = masked_BT[..., None]
+        return (
+            jnp.where(m, self.mask_embed[...], embeds_BTH),
+            jnp.where(m, self.mask_feature[...], feats_BTH),
+        )
 
     def fuse(self, taps_BTF):
         """The head's input feature [B, T, H] from the target's tapped layers [B, T, n_taps * H]."""
@@ -80,13 +101,16 @@ class Eagle3Head(nnx.Module):
         at position i + j and reads embeds_JBTH[j, :, i] and the output feature of step j - 1 at anchor i (step 0:
         `feats_BTH`); it attends to step 0's keys at anchors <= i and to its own keys at steps 1..j, as drafting
         does (the prefix read with target features, then the draft chain). Only those scores are computed: T x T
-        for step 0's keys and T x j for the chain, not T x JT."""
+        for step 0's keys and T x j for the chain, not T x JT. A parallel head's steps j >= 1 read its MASK
+        embedding and feature instead (its draft slots: `embeds_JBTH[1:]` are not read)."""
         block, (b, t, _) = self.layer, feats_BTH.shape
         kv, hd = block.n_kv_heads, block.head_dim
         g = block.n_heads // kv
         causal = jnp.tril(jnp.ones((t, t), bool))
         x, chain, logits = feats_BTH, [], []
         for j, embeds in enumerate(embeds_JBTH):
+            if j and self.mask_embed is not None:
+                embeds, x = self.masked(embeds, x, jnp.ones((b, t), bool))
             positions = jnp.broadcast_to(jnp.arange(t) + j, (b, t))
             cos, sin = rope_angles(self.inv_freq, positions, t + len(embeds_JBTH))
             qkv = block.wqkv(jnp.concatenate([block.embed_norm(embeds), block.attn_norm(x)], axis=-1))
@@ -120,10 +144,12 @@ class Eagle3Head(nnx.Module):
         return self.lm_head(self.norm(x)).astype(jnp.float32), x, cache
 
 
-def init_eagle3(target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, seed: int = 0):
+def init_eagle3(
+    target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, seed: int = 0, parallel: bool = False
+):
     """(graphdef, params as a pure dict) of a fresh head; its LM head starts as the target's rows of the draft
     vocabulary."""
-    head = Eagle3Head(layer_config(target_cfg), n_taps, len(draft_ids), nnx.Rngs(seed))
+    head = Eagle3Head(layer_config(target_cfg), n_taps, len(draft_ids), nnx.Rngs(seed), parallel)
     unembed = target_io(target_cfg, target_params)["unembed"]
     head.lm_head.weight.set_value(
         jnp.asarray(unembed)[jnp.asarray(draft_ids)].astype(head.lm_head.weight.dtype)
@@ -134,12 +160,15 @@ def init_eagle3(target_cfg: LlamaConfig, n_taps: int, draft_ids, target_params, 
 
 @precision.follows_params
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def eagle3_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+def eagle3_apply(graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW, masked_BT=None):
     """(draft-vocabulary logits [B, T, N], output features [B, T, H], cache) for inputs (token i + 1, feature i),
-    the features already fused (`Eagle3Head.fuse`) or the head's own. `params` = {"head", "embed", "unembed",
-    "draft_ids"}."""
+    the features already fused (`Eagle3Head.fuse`) or the head's own; where `masked_BT`, a parallel head's MASK
+    inputs instead. `params` = {"head", "embed", "unembed", "draft_ids"}."""
+    head = nnx.merge(graphdef, params["head"])
     embeds = jnp.take(params["embed"], tokens_BT, axis=0)
-    return nnx.merge(graphdef, params["head"])(embeds, feats_BTH, positions_BT, cache, mask_BTW)
+    if masked_BT is not None:
+        embeds, feats_BTH = head.masked(embeds, feats_BTH, masked_BT)
+    return head(embeds, feats_BTH, positions_BT, cache, mask_BTW)
 
 
 def to_target_vocab(draft_logits, draft_ids, vocab_size: int):
@@ -151,9 +180,10 @@ def to_target_vocab(draft_logits, draft_ids, vocab_size: int):
 @dataclasses.dataclass(frozen=True)
 class Eagle3(Eagle):
     """Drafter: EAGLE's chains, static trees and dynamic trees over an EAGLE-3 head; reads the target's
-    `feature_taps` layers."""
+    `feature_taps` layers. A parallel head drafts all depths' distributions in one pass (`propose`)."""
 
     feature_taps: tuple[int, ...] = ()
+    parallel: bool = False  # the head has MASK slots: one pass per round
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         super().validate(target_cfg)
@@ -168,11 +198,54 @@ class Eagle3(Eagle):
         n = len(self.feature_taps) * self.layer_cfg.dim  # the tapped layers; the final features follow
         return nnx.merge(self.graphdef, params["head"]).fuse(target_feats[..., :n])
 
-    def apply(self, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW):
+    def apply(self, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW, masked_BT=None):
         logits, feats, cache = eagle3_apply(
-            self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW
+            self.graphdef, params, tokens_BT, feats_BTH, positions_BT, cache, mask_BTW, masked_BT
         )
         return to_target_vocab(logits, params["draft_ids"], self.layer_cfg.vocab_size), feats, cache
+
+    def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
+        if not self.parallel:
+            return super().propose(params, state, seq_BS, n_tokens_B, key)
+        # One pass from the committed slots: the last round re-read with true features up to the pending token's
+        # slot `root` (depth 1), then K - 1 MASK slots (depths 2..K), slot i at position committed + i, causal; the
+        # slots after the last MASK are padding (their positions clipped to the cache, their writes dropped).
+        w, k = state.feats.shape[1], self.k
+        root = (n_tokens_B - 2 - state.committed)[:, None]
+        slots = jnp.arange(w + k - 1)[None]
+        positions = jnp.minimum(state.committed[:, None] + slots, state.cache.size - 1)
+        tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
+        feats = jnp.pad(self.fuse(params, state.feats), ((0, 0), (0, k - 1), (0, 0)))
+        cache = state.cache.with_length(state.committed)
+        logits, _, cache = self.apply(
+            params, tokens, feats, positions, cache, causal_mask(w + k - 1), slots > root
+        )
+        depth_logits = jnp.take_along_axis(logits, (root + jnp.arange(k))[..., None], axis=1)  # [B, K, V]
+
+        def step(cache_, tokens_BT, positions_BT, mask_BTW, ctx):  # a node's children: the next depth's
+            depth = jnp.minimum(positions_BT - n_tokens_B[:, None] + 2, k - 1)  # (0-based) distribution
+            return jnp.take_along_axis(depth_logits, depth[..., None], axis=1), ctx, cache_
+
+        draft, _ = self.shape.search(
+            step, self.sampler, depth_logits[:, 0], None, n_tokens_B - 1, cache, key
+        )
+        return draft, EagleState(cache.with_length(n_tokens_B - 1), state.feats, n_tokens_B - 1)
+
+
+@precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef", "unroll"))
+def eagle3_unrolled(graphdef, params, taps_BTF, tokens_BT, unroll: int):
+    """Draft-vocabulary logits [unroll, B, T - 1, N] of the training-time test (`Eagle3Head.unrolled`): step j
+    at anchor i reads token i + j + 1 (a parallel head: MASK at j >= 1) and predicts token i + j + 2; `taps_BTF`:
+    the tapped layers' outputs."""
+    t = tokens_BT.shape[1]
+    head = nnx.merge(graphdef, params["head"])
+    anchors = jnp.arange(t - 1)
+    embeds = [
+        jnp.take(params["embed"], tokens_BT[:, jnp.minimum(anchors + j + 1, t - 1)], axis=0)
+        for j in range(unroll)
+    ]
+    return head.unrolled(jnp.stack(embeds), head.fuse(taps_BTF[:, :-1]))
 
 
 @precision.follows_params
@@ -185,7 +258,8 @@ def eagle3_loss(
     position i + j, reads token i + j + 1 and predicts token i + j + 2. The loss is step_weight^j x the
     cross-entropy of its draft distribution against the target's distribution restricted to the draft vocabulary,
     over anchors that exist, whose predicted token has loss mask 1 and whose target top token lies in the draft
-    vocabulary (as the paper does).
+    vocabulary (as the paper does). A parallel head's steps j >= 1 are its MASK slots (`Eagle3Head.unrolled`):
+    the same positions, attention and targets, depth j + 1 of a draft from anchor i.
     `feats_BTF`: the tapped layers' outputs then the final features (`specjax.models.llama.features`)."""
     b, t, width = feats_BTF.shape
     n, dim, vocab = t - 1, layer_cfg.dim, params["embed"].shape[0]
@@ -197,13 +271,8 @@ def eagle3_loss(
     trained = in_vocab & (losses.predicted_mask(loss_mask_BT, 2, n) > 0)
     target_probs = jax.nn.softmax(target_logits[..., ids], axis=-1)
     target_top = jnp.argmax(target_probs, -1)
-    head = nnx.merge(graphdef, params["head"])
     anchors = jnp.arange(n)
-    embeds = [
-        jnp.take(params["embed"], tokens_BT[:, jnp.minimum(anchors + j + 1, t - 1)], axis=0)
-        for j in range(unroll)
-    ]
-    logits_J = head.unrolled(jnp.stack(embeds), head.fuse(taps[:, :-1]))
+    logits_J = eagle3_unrolled(graphdef, params, taps, tokens_BT, unroll)
     total, metrics = 0.0, {}
     for j, logits in enumerate(logits_J):
         shifted = lambda a: jnp.roll(a, -j, axis=1)  # index i -> i + j (the wrapped tail is masked out)
@@ -224,16 +293,28 @@ class Eagle3Training:
     draft_vocab: int = 0  # the N most frequent training tokens form the draft vocabulary; 0 = the target's
     unroll: int = 7  # training-time test: steps the head runs on its own features (the paper's 7)
     step_weight: float = 0.8  # the loss of unrolled step j weighs step_weight^j (the paper's 0.8)
+    # P-EAGLE / PARD: the head drafts a chain in one pass, depths 2..unroll from learned MASK slots (draft K <= unroll)
+    parallel: bool = False
     RULES: ClassVar = {
         "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
         "draft_vocab": (lambda v: v >= 0, "must be >= 0 (0 = the target's vocabulary)"),
         "unroll": (lambda v: v >= 1, "must be >= 1"),
         "step_weight": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        "parallel": (lambda v: isinstance(v, bool), "must be True or False"),
     }
 
 
+def check_training(h: Eagle3Training, target_cfg: LlamaConfig) -> None:
+    if h.parallel and h.unroll < 2:
+        raise TrainingConfigError(
+            f"config heads.unroll={h.unroll} trains none of a parallel head's MASK slots; pass "
+            "--config.heads.unroll=K, the chain length it will draft (>= 2)"
+        )
+
+
 def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens) -> dict:
-    """The head's shape in heads.json: its fused layers and draft vocabulary (None: the target's)."""
+    """The head's shape in heads.json: its fused layers, draft vocabulary (None: the target's) and, for a parallel
+    head only, `"parallel": True` (absent: sequential, as every head written before it)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers))
     if max(layers) >= target_cfg.n_layers:
         raise HeadsError(
@@ -245,7 +326,7 @@ def head_shape(h: Eagle3Training, target_cfg: LlamaConfig, tokens) -> dict:
         if tokens is None:
             raise HeadsError("a reduced draft vocabulary is chosen from training tokens; none were given")
         ids = frequent_tokens(tokens, h.draft_vocab, target_cfg.vocab_size)
-    return {"layers": layers, "draft_ids": ids}
+    return {"layers": layers, "draft_ids": ids} | ({"parallel": True} if h.parallel else {})
 
 
 def draft_ids(shape: dict, target_cfg: LlamaConfig) -> list[int]:
@@ -253,7 +334,8 @@ def draft_ids(shape: dict, target_cfg: LlamaConfig) -> list[int]:
 
 
 def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> Eagle3:
-    return Eagle3(layer_config(cfg), graphdef, k, sampler, tree, tuple(shape["layers"]))
+    parallel = shape.get("parallel", False)
+    return Eagle3(layer_config(cfg), graphdef, k, sampler, tree, tuple(shape["layers"]), parallel)
 
 
 def drafter_params(shape, params, cfg, target_params) -> dict:
@@ -355,6 +437,11 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
 
 def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
     shape, layer = meta["shape"], p["layer"]  # numpy arrays
+    if shape.get("parallel"):
+        raise HeadsError(
+            "a parallel EAGLE-3 head (MASK slots) has no published EAGLE-3 layout; export it as specjax heads "
+            "(python -m specjax.heads export WORKDIR DEST)"
+        )
     ids = shape["draft_ids"] if shape["draft_ids"] is not None else range(cfg.vocab_size)
     d2t, t2d = published.d2t_t2d(ids, cfg.vocab_size)
     t = {
@@ -396,6 +483,9 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
         "norm": {"weight": ex.norm(p["norm"]["weight"])},
         "lm_head": {"weight": ex.pad(p["lm_head"]["weight"], (p["lm_head"]["weight"].shape[0], d2))},
     }
+    # a parallel head's MASK inputs: zero in the extra dims, as the embeddings and features are
+    if "mask_embed" in p:
+        new |= {name: ex.pad(p[name], (d2,)) for name in ("mask_embed", "mask_feature")}
     where = expansion.original_layers(cfg.n_layers)
     return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
 
@@ -405,7 +495,12 @@ heads.register(
     registry.TrainedHeads(
         settings=Eagle3Training,
         init=lambda shape, cfg, target_params, seed: init_eagle3(
-            cfg, len(shape["layers"]), draft_ids(shape, cfg), target_params, seed
+            cfg,
+            len(shape["layers"]),
+            draft_ids(shape, cfg),
+            target_params,
+            seed,
+            shape.get("parallel", False),
         ),
         drafter_params=drafter_params,
         drafter=make_drafter,
@@ -413,6 +508,7 @@ heads.register(
             graphdef, layer_config(cfg), params, feats, tokens, mask, h.unroll, h.step_weight
         ),
         shape_of=head_shape,
+        check=check_training,
         feature_taps=lambda shape, cfg: tuple(shape["layers"]),
         expand=expand_heads,
         published=registry.Published(

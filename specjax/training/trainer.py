@@ -20,6 +20,7 @@ gradient stops the run with NonFiniteLossError and keeps the last good checkpoin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import threading
@@ -188,7 +189,8 @@ class Logger:
 
 def record_config(config, workdir: Path, target_id: str, resuming: bool) -> None:
     """Records the run's config in `WORKDIR/config.json`; a resumed run whose config differs (beyond the
-    OPERATIONAL keys) or whose target differs is refused unless `train.allow_config_change`."""
+    OPERATIONAL keys, and head settings added since at their defaults) or whose target differs is refused unless
+    `train.allow_config_change`."""
     path = workdir / CONFIG
     now = json.loads(json.dumps({"config": flatten(config), "target_id": target_id}, default=str))
     if resuming and path.exists():
@@ -203,6 +205,14 @@ def record_config(config, workdir: Path, target_id: str, resuming: bool) -> None
                 ) from None
             old, before = None, {}
         after = {**now["config"], "target (identity)": target_id}
+        # a head setting added since the workdir was recorded: unchanged while it keeps its default
+        settings = registry.trained(config.method).settings()
+        added = {
+            f"heads.{f.name}": json.loads(json.dumps(getattr(settings, f.name)))
+            for f in dataclasses.fields(settings)
+            if f"heads.{f.name}" not in before
+        }
+        before = added | before
         changed = [
             f"{k}: {before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r}"
             for k in sorted(set(before) | set(after))

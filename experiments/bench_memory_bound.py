@@ -112,11 +112,8 @@ class Settings:
     name: str = "bench_memory_bound"
     dtype: str = "float32"  # of the target, its expansion and the drafters built from them
     sweeps: bool = True  # the K and batch tables
-    dflash_blocks: tuple[int, ...] = (
-        4,
-        8,
-        16,
-    )  # DFlash's block sizes B (chains of B - 1 drafted in one pass)
+    # DFlash's block sizes B (chains of B - 1 drafted in one pass)
+    dflash_blocks: tuple[int, ...] = (4, 8, 16)
 
 
 SMOKE = Settings(

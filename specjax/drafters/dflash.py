@@ -322,9 +322,8 @@ def dflash_loss(
     head = nnx.merge(graphdef, params["head"])
     x = head.blocks(jnp.take(params["embed"], block, axis=0), positions, taps, anchors)[:, :, 1:]
     logits = jnp.einsum("bnid,vd->bniv", x, params["unembed"]).astype(jnp.float32)
-    predicted = jnp.minimum(
-        positions[:, :, 1:], t - 1
-    )  # token a + i; its target distribution is at a + i - 1
+    # token a + i; its target distribution is at a + i - 1
+    predicted = jnp.minimum(positions[:, :, 1:], t - 1)
     at = lambda a_BT, idx=predicted: jax.vmap(lambda row, i: row[i])(a_BT, idx)
     unembed = jax.lax.stop_gradient(params["unembed"])
     target_logits = at(jnp.einsum("btd,vd->btv", final, unembed).astype(jnp.float32), predicted - 1)
@@ -352,8 +351,8 @@ def dflash_loss(
     metrics |= {
         "loss": loss,
         "top1": jnp.sum(hit & counted) / jnp.maximum(jnp.sum(counted), 1),
-        "tau_greedy": 1
-        + jnp.sum(run) / blocks_counted,  # accepted per round, bonus included, at these anchors
+        # greedy tokens per round at these anchors, bonus included
+        "tau_greedy": 1 + jnp.sum(run) / blocks_counted,
     }
     return loss, metrics
 
@@ -367,9 +366,8 @@ class DFlashTraining:
     block_size: int = 8  # B: the anchor and B - 1 masks (decoding drafts k = B - 1 by default)
     blocks: int = 8  # anchors drawn per training sequence
     decay: float = 4.0  # block position i's loss weighs exp(-(i - 1) / decay) (the paper's 4 for B = 8)
-    divergence: str = (
-        "forward_kl"  # against the target's distribution; or "cross_entropy" on the data's tokens
-    )
+    # against the target's distribution; or "cross_entropy" on the data's tokens
+    divergence: str = "forward_kl"
     mask_token: int = 0  # the target token whose embedding is MASK (stories260K's <unk>)
     confidence: bool = False  # train a confidence head (DSpark) beside the draft
     confidence_weight: float = 1.0  # its loss's weight
@@ -389,19 +387,15 @@ class DFlashTraining:
 
 
 def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
-    """The head's shape in heads.json: its context layers, draft layers, block size and mask token."""
+    """The head's shape in heads.json: its context layers, draft layers, block size, mask token and whether it
+    has a confidence head (absent: none)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers, h.n_layers))
     if max(layers) >= target_cfg.n_layers or h.mask_token >= target_cfg.vocab_size:
         raise HeadsError(
             f"config heads.layers={layers} or heads.mask_token={h.mask_token} is outside the target's "
             f"{target_cfg.n_layers} layers or {target_cfg.vocab_size} tokens; choose ones it has"
         )
-    shape = {
-        "layers": layers,
-        "n_layers": h.n_layers,
-        "block_size": h.block_size,
-        "mask_token": h.mask_token,
-    }
+    shape = dict(layers=layers, n_layers=h.n_layers, block_size=h.block_size, mask_token=h.mask_token)
     return shape | ({"confidence": True} if h.confidence else {})
 
 

@@ -23,6 +23,8 @@ Sections:
   alpha at T=0 and T=1 and tau at K=4, with the undistilled first-layer draft and a next-token-trained draft of the
   same shape as baselines (each row trained to --distill_steps in checkpoints/distill_table/, resumed if there);
   tau by prompt category; and the draft-model rows of the memory-bound target (`experiments.bench_memory_bound`).
+- dflash: parallel (block) drafting: DFlash's block sizes and trees against EAGLE-3 sequential and parallel and the
+  distilled draft, tau by category at T=0/1 and the memory-bound target's speed (`experiments.dflash_table`).
 - systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
   parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
@@ -44,7 +46,7 @@ from specjax import analysis, cli, metrics
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "distill", "systems")
+SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "distill", "systems", "dflash")
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
@@ -606,6 +608,16 @@ def distill_tables(out: harness.Writer, quick: bool, target) -> None:
     bench.run(dataclasses.replace(settings, repeats=FLAGS.repeats), out.folder)
 
 
+# --- parallel drafting ---------------------------------------------------------------------------------------
+
+
+def dflash(out: harness.Writer, quick: bool, target) -> None:
+    from experiments import dflash_table
+
+    cats = categories(target.tokenizer, quick)
+    dflash_table.tables(out, quick, target, cats, 1 if quick else FLAGS.repeats)
+
+
 # --- systems ------------------------------------------------------------------------------------------------
 
 
@@ -716,6 +728,7 @@ def main(argv):
             ("peers", peers),
             ("distill", distill_tables),
             ("systems", systems),
+            ("dflash", dflash),
         )
     }
     for name in FLAGS.sections:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HEADS, TINY
+from conftest import TINY
 from helpers import TARGET, greedy_case
 from tolerance import assert_close, assert_far, forward_depth
 
@@ -159,15 +159,16 @@ def test_head_for_another_target_is_refused():
         trained.shape_of(trained.settings(layers=(5,)), TINY, None)
 
 
-@pytest.mark.skipif(not (HEADS / "stories260K_dflash").exists(), reason="no committed DFlash head yet")
 def test_committed_head_drafts_ar_tokens(stories):
+    """The committed stories260K head (`make heads`): AR's tokens from its whole block, its confidence-sized
+    rounds and its dynamic tree, and its drafts are accepted (a fresh head's are not: tau about 1)."""
     cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
     entry = registry.get("dflash")
-    for k, tree in ((7, None), (6, DynamicTree(8, 6, 48))):
-        d, dparams = entry.build(stories, entry.settings(), k, tree, Sampler())
+    for k, tree, confidence in ((7, None, False), (15, None, True), (6, DynamicTree(8, 6, 48), False)):
+        d, dparams = entry.build(stories, entry.settings(confidence=confidence), k, tree, Sampler())
         gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
-        assert summarize(gen.stats)["tau"] > 3.0
+        assert summarize(gen.stats)["tau"] > 1.6, (k, tree, confidence)
 
 
 # --- the confidence head: each round verifies the prefix it expects to pay ------------------------------------

@@ -16,6 +16,15 @@ from specjax import results
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = {  # the columns each table must have
+    "dflash_categories": [
+        "method",
+        "setting",
+        "T",
+        "tau",
+        "verified_per_round",
+        "a",
+        "draft_passes_per_round",
+    ],
     "leviathan_theorem38": [
         "alpha",
         "c",

@@ -1,0 +1,155 @@
+"""`make tables --sections=dflash`: parallel (block) drafting against sequential drafting.
+
+- dflash_categories: tau and acceptance by prompt category at T=0 and T=1 on stories260K for DFlash (B = 4, 8, 16,
+  its dynamic tree, and the one-layer head where committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48),
+  parallel EAGLE-3 (where committed) and the distilled draft; the heads' training cost in the notes.
+- dflash_memory_bound_*: the same drafters on the memory-bound expansion of stories260K (`bench_memory_bound`):
+  tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from experiments import harness
+from specjax import metrics
+from specjax.sampling import Sampler
+from specjax.trees import parse_tree
+
+HEADS = Path(__file__).resolve().parents[1] / "heads"
+CHECKPOINTS = Path("checkpoints")
+# (head folder or None for the drafter's default, its training run under checkpoints/)
+RUNS = {
+    "dflash": "dflash_stories260K",
+    "dflash_l1": "dflash_l1_stories260K",
+    "eagle3": "eagle3_stories260K",
+    "eagle3_parallel": "eagle3_parallel_stories260K",
+}
+
+
+def methods(quick: bool) -> list[tuple]:
+    """(method, setting, registered drafter, its settings, K, tree spec or None): the rows whose heads exist."""
+    whole = {"confidence": False}  # verify the whole block
+    rows = [
+        ("dflash", "B=8, L=2", "dflash", whole, 7, None),
+        ("eagle3", "chain K=7", "eagle3", {}, 7, None),
+    ]
+    if quick:
+        return rows
+    l1 = {"heads": str(HEADS / "stories260K_dflash_l1")}
+    parallel = {"heads": str(HEADS / "stories260K_eagle3_parallel")}
+    distilled = {"draft_model": str(HEADS / "stories260K_distill")}
+    rows = [
+        ("dflash", "B=4, L=2", "dflash", whole, 3, None),
+        rows[0],
+        ("dflash", "B=16, L=2", "dflash", whole, 15, None),
+        ("dflash", "B=16, L=2, confidence-sized", "dflash", {"confidence": True}, 15, None),
+        ("dflash", "B=8, L=2, confidence-sized", "dflash", {"confidence": True}, 7, None),
+        ("dflash", "B=7, L=2, dynamic 8,6,48", "dflash", {}, 6, "dynamic:8,6,48"),
+        ("dflash", "B=4, L=1", "dflash", l1 | whole, 3, None),
+        ("dflash", "B=8, L=1", "dflash", l1 | whole, 7, None),
+        ("dflash", "B=16, L=1", "dflash", l1 | whole, 15, None),
+        rows[1],
+        ("eagle3", "dynamic 8,6,48", "eagle3", {}, 6, "dynamic:8,6,48"),
+        ("eagle3", "chain K=4", "eagle3", {}, 4, None),
+        ("eagle3 parallel", "K=4 (trained unroll 4)", "eagle3", parallel, 4, None),
+        ("distilled draft", "2 layers, chain K=4", "draft_model", distilled, 4, None),
+    ]
+    return [r for r in rows if "heads" not in r[3] or Path(r[3]["heads"]).exists()]
+
+
+def passes(drafter) -> int:
+    """Draft passes a round makes: one for a block or a parallel head, else one per depth."""
+    return (
+        1 if getattr(drafter, "parallel", False) or hasattr(drafter, "taps_width") else drafter.shape.depth
+    )
+
+
+def category_rows(target, categories: dict, quick: bool) -> list[dict]:
+    from specjax.decoding import speculative_generate
+    from specjax.drafters import registry
+
+    rows = []
+    for method, setting, name, settings, k, tree in methods(quick):
+        entry = registry.get(name)
+        for t in (0.0,) if quick else (0.0, 1.0):
+            sampler = Sampler(t)
+            drafter, dparams = entry.build(
+                target, entry.settings(**settings), k, parse_tree(tree or ""), sampler
+            )
+            for category, (prompts, n) in categories.items():
+                spec = harness.generate_spec(n, sampler, eos_id=None)
+                gen = speculative_generate(
+                    target.cfg, target.graphdef, target.params, drafter, dparams, prompts, spec
+                )
+                m = metrics.pooled([gen.stats])
+                hist = np.asarray(gen.stats.k_hist)  # rounds by verified length
+                rows.append(
+                    dict(method=method, setting=setting, category=category, T=t, tau=m["tau"])
+                    | dict(verified_per_round=float(np.dot(np.arange(len(hist)), hist) / hist.sum()))
+                    | dict(
+                        a=m["acceptance_rate"],
+                        draft_passes_per_round=passes(drafter),
+                    )
+                )
+    return rows
+
+
+def training_notes() -> str:
+    """The committed heads' training cost, from their runs' logs under checkpoints/ where this checkout has them."""
+    lines = []
+    for head, run in RUNS.items():
+        log = CHECKPOINTS / run / "metrics.jsonl"
+        config = CHECKPOINTS / run / "config.json"
+        if not log.exists() or not config.exists():
+            continue
+        c = json.loads(config.read_text())["config"]
+        logged = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+        tokens = c["train.batch_size"] * c["data.seq_len"]
+        steps = [r["step"] for r in logged]
+        spans = np.diff([0] + steps)
+        seconds = float(sum(s * tokens / r["tokens_per_s"] for s, r in zip(spans, logged)))
+        rate = np.median([r["tokens_per_s"] for r in logged])
+        lines.append(
+            f"- {head}: {steps[-1]} steps x {tokens} tokens, median {rate:.0f} tokens/s, {seconds / 60:.1f} min "
+            "of train steps (from the logged rate; compile and checkpoints aside)"
+        )
+    if not lines:
+        return "Training cost: no training run of these heads under checkpoints/ in this checkout (`make heads`)."
+    return "Training cost on this machine (`make heads`):\n" + "\n".join(lines)
+
+
+def tables(out: harness.Writer, quick: bool, target, categories: dict, repeats: int) -> None:
+    from experiments import bench_memory_bound as bench
+
+    out.table(
+        "dflash_categories",
+        category_rows(target, categories, quick),
+        "Parallel against sequential drafting on stories260K (batch 1, float32): tau and acceptance rate by prompt "
+        "category; a DFlash round drafts its whole block in one pass",
+        training_notes(),
+    )
+    if quick:  # minutes: `memory_bound` smoke-tests the benchmark
+        return
+    settings = bench.Settings(
+        batches=(1,),
+        kinds=(
+            "distilled draft",
+            "eagle3 chain",
+            "eagle3 dynamic",
+            "dflash chain",
+            "dflash sized",
+            "dflash dynamic",
+        ),
+        categories=(),
+        sweeps=False,
+        chain_ks=(7,),
+        dynamic=((8, 6, 48),),
+        repeats=repeats,
+        name="dflash_memory_bound",
+    )
+    bench.run(dataclasses.replace(settings), out.folder)

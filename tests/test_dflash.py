@@ -238,13 +238,13 @@ def test_confidence_sized_sampling_is_exact(monkeypatch):
 
 def test_expanded_head_drafts_the_same_distributions(stories):
     """On the function-preserving expansion of stories260K (`specjax.models.expand`), the expanded head's block
-    logits equal the original's (its per-head norms see the wide heads); a head expanded as a plain target
-    layer (query and key rows unscaled for the norms) does not."""
+    logits and confidence scores equal the original's (its per-head norms see the wide heads); a head expanded as
+    a plain target layer (query and key rows unscaled for the norms) does not."""
     from specjax.models import expand
 
     e = expand.SMOKE
     big = expand.expand(stories.cfg, stories.params, e)
-    shape = {"layers": [0, 2, 4], "n_layers": 2, "block_size": 8, "mask_token": 0}
+    shape = {"layers": [0, 2, 4], "n_layers": 2, "block_size": 8, "mask_token": 0, "confidence": True}
     meta = heads.describe("dflash", shape, stories.cfg)
     graphdef, hparams = heads.new_heads(meta, stories.cfg, stories.params, 1)
     hparams = jax.tree.map(lambda x: 3 * x if x.ndim == 2 else x, hparams)  # drafts far from uniform
@@ -260,12 +260,13 @@ def test_expanded_head_drafts_the_same_distributions(stories):
         taps = feats[:, :n, : 3 * cfg.dim]
         cache = dflash_extend(hg, dparams, taps, jnp.arange(n)[None], cache).with_length(jnp.array([n]))
         block = jnp.concatenate([tokens[:, n:], jnp.zeros((1, 7), jnp.int32)], 1)
-        return dflash_block(hg, dparams, block, n + jnp.arange(8)[None], cache)[0]
+        logits, confidence = dflash_block(hg, dparams, block, n + jnp.arange(8)[None], cache)
+        return jnp.concatenate([logits, confidence], -1)
 
     small = block_logits(stories.cfg, stories.graphdef, stories.params, (meta, graphdef, hparams))
     wide = block_logits(big[0], big[1], big[2], big_head)
     depth = forward_depth(big[0].n_layers) + forward_depth(2)
-    assert_close(wide, small, dtype=jnp.float32, depth=depth)
+    assert_close(wide, small, dtype=jnp.float32, depth=depth)  # the logits, then the confidence head's
     plain = jax.tree.map(lambda x: x, big_head[2])
     for layer in plain["layers"].values():  # the layer as `Expander.block` makes it, norms only padded
         layer["k_norm"]["weight"] = jnp.ones_like(layer["k_norm"]["weight"])

@@ -457,6 +457,9 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
         "layers": layers,
         "norm": {"weight": ex.norm(p["norm"]["weight"])},
     }
+    if "confidence" in p:  # reads the final features: zero columns for their extra (zero) dims
+        w = p["confidence"]["weight"]
+        new["confidence"] = {"weight": ex.pad(w, (w.shape[0], d2)), "bias": p["confidence"]["bias"]}
     where = expansion.original_layers(cfg.n_layers)
     return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
 

@@ -18,8 +18,11 @@ $(VENV)/.base: pyproject.toml | $(PY)
 	touch $@
 
 # the test extras hold the base install: a fresh machine installs once
+# (and z-lab's DFlash reference, for tests/test_dflash_reference.py, without its dependencies: its model needs only
+# torch and transformers; its pinned requests/tqdm and datasets serve its benchmark)
 $(VENV)/.test: pyproject.toml | $(PY)
 	$(INSTALL) -e '.[test]'
+	$(INSTALL) --no-deps dflash==0.1.0
 	$(COMPILE)
 	touch $(VENV)/.base $@
 

@@ -56,7 +56,7 @@ class HeadsSettings:
     heads: str | None = None
     HELP = {
         "heads": "Trained heads: the --workdir of a train_heads.py run or an export of one, or a head published "
-        "by the EAGLE-3 / Medusa authors (a directory or a Hugging Face hub id; default: "
+        "by the EAGLE-3 / Medusa / DFlash (z-lab) authors (a directory or a Hugging Face hub id; default: "
         "heads/stories260K_<drafter>)."
     }
 

@@ -4,8 +4,8 @@ into and written from specjax's own heads.
 This module owns what every such layout shares: reading the tensor files, finding which registered layout a file
 holds, the checks and conversions of a Llama decoder layer and of a draft vocabulary (`d2t`/`t2d`), and the
 atomic export. Each head type describes its own layout where it registers (`registry.Published`: EAGLE-3 in
-`specjax.drafters.eagle3`, EAGLE-1/2 in `specjax.drafters.eagle`, Medusa-1 in `specjax.drafters.medusa`), so
-nothing here names a method.
+`specjax.drafters.eagle3`, EAGLE-1/2 in `specjax.drafters.eagle`, Medusa-1 in `specjax.drafters.medusa`, z-lab's
+DFlash in `specjax.drafters.dflash_zlab`), so nothing here names a method.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import optax
 from flax import nnx, struct
 
 from specjax import heads, precision
-from specjax.drafters import registry
+from specjax.drafters import dflash_zlab, registry
 from specjax.drafters.base import KOrTree, target_io, target_signature
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
@@ -502,6 +502,13 @@ heads.register(
         shape_of=head_shape,
         feature_taps=lambda shape, cfg: tuple(shape["layers"]),
         expand=expand_heads,
+        published=registry.Published(
+            weights=("model.safetensors", "pytorch_model.bin"),
+            tensors="fc + hidden_norm + layers.*.self_attn.q_norm",
+            owns=dflash_zlab.owns,
+            load=dflash_zlab.load_published_heads,
+            files=dflash_zlab.published_files,
+        ),
     ),
     example=tiny_example,
     settings=DFlashSettings,

@@ -315,6 +315,7 @@ heads.register(
                 and t["fc.weight"].ndim == 2
                 and t["fc.weight"].shape[1] == 2 * t["fc.weight"].shape[0]
                 and not any(k.startswith("midlayer.") for k in t)
+                and "hidden_norm.weight" not in t  # a DFlash head fusing two layers (dflash_zlab)
             ),
             load=load_published_heads,
             files=published_files,

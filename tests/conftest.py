@@ -43,6 +43,7 @@ from specjax.models.loading import load_model, resolve  # noqa: E402
 # in at the end instead of one worker finishing a long module alone (xdist's own order, by number of tests, left a
 # 100 s module to the end).
 LONGEST_FIRST = (
+    "test_tables",  # 211 s in one test (with the dflash section, 2026-11-26 evening): first, or a worker ends alone
     "test_verification",  # 319
     "test_training",  # 159
     "test_trees",  # 147
@@ -53,7 +54,6 @@ LONGEST_FIRST = (
     "test_speculative",  # 111
     "test_heads",  # 108
     "test_ngram",  # 105
-    "test_tables",  # 98
     "test_bad_inputs",  # 91
     "test_layer_skip",  # 82
     "test_sweep",  # 58

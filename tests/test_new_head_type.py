@@ -145,7 +145,7 @@ def test_a_head_type_registered_once_trains_expands_exports_and_builds(toy, tmp_
     with pytest.raises(ValueError, match="'toy' is not a drafter with trained heads"):
         heads.describe("toy", {}, TINY)
     with pytest.raises(
-        ValueError, match="cannot expand heads of method 'toy'; expandable: eagle, eagle3, medusa"
+        ValueError, match="cannot expand heads of method 'toy'; expandable: dflash, eagle, eagle3, medusa"
     ):
         expand_heads(meta, params, TINY, wide, None, EXPANSION)
     with pytest.raises(ValueError, match="unknown published head method 'toy'"):

@@ -21,6 +21,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ FLAGS = flags.FLAGS
 # Random-weight Llama shapes of the AR comparison (vocabulary 32000, tied embeddings).
 AR_SHAPES = {
     "llama-110M": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048, vocab_size=32000),
-    "llama-1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192, vocab_size=32000),
+    "llama-1.1B": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden_dim=5632, vocab_size=32000),
     "llama-tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512),
 }
 # The memory-bound target on a GPU: 24 layers x 2048 (about 1.1B parameters, 4.5 GB of float32).
@@ -76,7 +77,7 @@ def plan(platform: str, memory_bytes: float | None, sizes: str) -> Plan:
         per_layer = 4 * (2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 5504)
         layers = int(np.clip(memory_bytes / 10 // per_layer, 5, layers))
     e = expand.Expansion(**(GPU_EXPANSION | dict(n_layers=layers)))
-    return Plan(("llama-110M", "llama-1B"), 128, 3, e, mb.Settings(**every, bandwidth_mb=2048))
+    return Plan(("llama-110M", "llama-1.1B"), 128, 3, e, mb.Settings(**every, bandwidth_mb=2048))
 
 
 def device_memory() -> float | None:
@@ -90,23 +91,45 @@ def device_memory() -> float | None:
 
 
 def summary_counts(text: str) -> dict:
-    """{passed, failed, errors, skipped} from pytest's last summary line (0 where absent)."""
-    lines = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
-    last = lines[-1] if lines else ""
-    found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last)}
+    """{passed, failed, errors, skipped} from pytest's last summary line, or where a stopped run has none, from its
+    verbose result lines."""
+    lines = [
+        line for line in text.splitlines() if re.search(r"\d+ (passed|failed|error).* in [\d.]+s", line)
+    ]
+    if not lines:
+        results = re.findall(r"\] (PASSED|FAILED|ERROR|SKIPPED) tests/", text)
+        return {k: results.count(w) for k, w in RESULT_WORDS.items()}
+    found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", lines[-1])}
     found["errors"] = found.pop("error", 0) + found.pop("errors", 0)
-    return {k: found.get(k, 0) for k in ("passed", "failed", "errors", "skipped")}
+    return {k: found.get(k, 0) for k in RESULT_WORDS}
 
 
-def run_tests(writer: harness.Writer, workers: int) -> dict:
+RESULT_WORDS = dict(passed="PASSED", failed="FAILED", errors="ERROR", skipped="SKIPPED")
+
+
+def run_tests(writer: harness.Writer, workers: int, timeout: float | None = None) -> dict:
+    """The suite on this device; its output goes to `device_tests.log` as it runs (a stopped run keeps the names
+    of what failed before it stopped)."""
     env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
-    command = [sys.executable, "-m", "pytest", "-q", f"-n={workers}", *order, "tests"]
+    command = [sys.executable, "-m", "pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
+    writer.folder.mkdir(parents=True, exist_ok=True)
+    log = writer.folder / "device_tests.log"
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    with open(log, "w") as out:  # its own process group: a stopped run leaves no worker behind
+        suite = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            status = suite.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # what ran is still reported, as not passed whole
+            os.killpg(suite.pid, signal.SIGKILL)
+            suite.wait()
+            status = f"stopped after {timeout} s"
     seconds = time.perf_counter() - start
-    failed = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("FAILED ")]
-    row = summary_counts(done.stdout) | dict(seconds=seconds, exit_status=done.returncode)
+    text = log.read_text(errors="replace")
+    failed = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", text)))
+    row = summary_counts(text) | dict(seconds=seconds, exit_status=status)
     notes = "Failed:\n" + "\n".join(f"- {t}" for t in failed) if failed else "No test failed."
     writer.table("device_tests", [row], f"The test suite on this device: {' '.join(command[2:])}", notes)
     return row
@@ -194,13 +217,13 @@ def ar_table(writer: harness.Writer, p: Plan) -> list[dict]:
 # --- the memory-bound benchmark -----------------------------------------------------------------------------
 
 
-def memory_bound(folder: Path, p: Plan, dtypes) -> dict:
+def memory_bound(folder: Path, p: Plan, dtypes, **overrides) -> dict:
     from experiments import bench_memory_bound as mb
 
     out = {}
     for dtype in dtypes:
         settings = dataclasses.replace(
-            p.memory, expansion=p.expansion, dtype=dtype, name=f"device_memory_bound_{dtype}"
+            p.memory, expansion=p.expansion, dtype=dtype, name=f"device_memory_bound_{dtype}", **overrides
         )
         out[dtype] = mb.run(settings, str(folder))
     return out
@@ -209,6 +232,8 @@ def memory_bound(folder: Path, p: Plan, dtypes) -> dict:
 def main(argv):
     del argv
     import jax
+
+    from experiments import bench_memory_bound as mb
 
     logging.set_verbosity(logging.WARNING)
     unknown = set(FLAGS.parts) - {"ar", "memory_bound"}
@@ -222,11 +247,15 @@ def main(argv):
     folder = Path(FLAGS.results)
     writer = harness.Writer(folder)
     if FLAGS.tests:
-        print(run_tests(writer, FLAGS.workers), flush=True)
+        print(run_tests(writer, FLAGS.workers, FLAGS.test_timeout), flush=True)
     if "ar" in FLAGS.parts:
         ar_table(writer, p)
     if "memory_bound" in FLAGS.parts:
-        memory_bound(folder, p, FLAGS.dtypes)
+        unknown = set(FLAGS.kinds or ()) - set(mb.KINDS)
+        if unknown:
+            raise cli.UsageError(f"--kinds names {sorted(unknown)}; choose from {', '.join(mb.KINDS)}")
+        kinds = dict(kinds=tuple(FLAGS.kinds)) if FLAGS.kinds else {}
+        memory_bound(folder, p, FLAGS.dtypes, sweeps=FLAGS.sweeps, **kinds)
 
 
 def define_flags() -> None:
@@ -234,8 +263,11 @@ def define_flags() -> None:
     flags.DEFINE_enum("sizes", "device", ["device", "smoke"], "device: sized from the device; smoke: tiny.")
     flags.DEFINE_bool("tests", True, "Run the test suite first (device_tests table).")
     flags.DEFINE_integer("workers", 8, "pytest workers on the device.")
+    flags.DEFINE_float("test_timeout", None, "Seconds the suite may run (what ran is reported).")
     flags.DEFINE_list("parts", ["ar", "memory_bound"], "Benchmarks to run: ar, memory_bound.")
     flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes of the memory-bound benchmark.")
+    flags.DEFINE_list("kinds", None, "Drafter rows of the memory-bound benchmark (default: every one).")
+    flags.DEFINE_bool("sweeps", True, "The memory-bound benchmark's K and batch sweeps.")
     flags.DEFINE_integer("repeats", None, "Timed rounds (default 3; smoke 1).")
     flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
     harness.define_precision_flag()

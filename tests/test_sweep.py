@@ -3,6 +3,8 @@
 tables."""
 
 import csv
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +89,7 @@ def test_device_plan_sizes():
     cfg = gpu.expansion.config(
         LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, hidden_dim=172, vocab_size=512)
     )
-    assert cfg.num_params >= 1e9 and gpu.ar_shapes == ("llama-110M", "llama-1B")
+    assert cfg.num_params >= 1e9 and gpu.ar_shapes == ("llama-110M", "llama-1.1B")
     from experiments.bench_memory_bound import KINDS
 
     assert gpu.memory.temperatures == (0.0, 1.0) and gpu.memory.kinds == KINDS  # every drafter row
@@ -100,6 +102,31 @@ def test_pytest_summary_counts():
     line = "==== 3 failed, 537 passed, 2 skipped, 1 error in 812.31s (0:13:32) ===="
     assert device_check.summary_counts("x\n" + line) == dict(passed=537, failed=3, errors=1, skipped=2)
     assert device_check.summary_counts("no summary") == dict(passed=0, failed=0, errors=0, skipped=0)
+    stopped = (  # a verbose run stopped before its summary: its result lines are counted
+        "[gw1] [  1%] PASSED tests/test_a.py::test_x\n[gw0] [  2%] FAILED tests/test_b.py::test_y[3 passed]\n"
+        "[gw1] [  3%] PASSED tests/test_a.py::test_z\n[gw2] [  4%] SKIPPED tests/test_c.py::test_w\n"
+    )
+    assert device_check.summary_counts(stopped) == dict(passed=2, failed=1, errors=0, skipped=1)
+
+
+def test_profile_reads_device_kernels_from_a_trace(tmp_path):
+    from experiments import device_profile
+
+    events = [
+        dict(ph="M", pid=1, name="process_name", args=dict(name="/host:CPU")),
+        dict(ph="M", pid=7, name="process_name", args=dict(name="/device:GPU:0")),
+        dict(ph="X", pid=1, name="gemm_fusion_dot_1", dur=50.0),  # a host event: not a kernel
+        dict(ph="X", pid=7, name="nvjet_sm90_tst_128x8", dur=13.0),
+        dict(ph="X", pid=7, name="input_scatter_fusion_4", dur=2.0),
+    ]
+    trace = tmp_path / "plugins/profile/run"
+    trace.mkdir(parents=True)
+    with gzip.open(trace / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    found = device_profile.device_kernels(tmp_path)
+    assert found == [("nvjet_sm90_tst_128x8", 13.0), ("input_scatter_fusion_4", 2.0)]
+    assert [device_profile.kind(k) for k, _ in found] == ["product", "cache write"]
+    assert device_profile.kind("input_reduce_fusion_36") == "reduction (norms, softmax)"
 
 
 def test_device_check_smoke_writes_stamped_tables(tmp_path):

@@ -70,6 +70,10 @@ class RetrievalError(DrafterError):
     """Invalid retrieval drafter settings; the message says what is wrong and how to fix it."""
 
 
+class SuffixError(DrafterError):
+    """Invalid suffix drafter settings or store; the message says what is wrong and how to fix it."""
+
+
 class QuantizationError(SpecjaxError, ValueError):
     """Invalid quantisation settings (a scheme, a group size that does not divide the model's matrices)."""
 

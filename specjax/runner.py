@@ -48,7 +48,8 @@ def decode_texts(
 ) -> DecodeReport:
     """Decodes prompts in batches of `batch_size` with one compiled loop, AR or speculative (with `drafter`), on
     one device or split over `mesh` (`specjax.sharding`). Short batches are padded by repeating a prompt (on a
-    mesh, to a multiple of its data axis); their extra rows are dropped."""
+    mesh, to a multiple of its data axis); their extra rows are dropped. A drafter with `absorb` (suffix decoding)
+    learns each batch's outputs before the next batch."""
     if batch_size < 1:
         raise DecodingError(f"batch_size must be >= 1, got {batch_size}")
     prompts = encode_prompts(model.tokenizer, texts)
@@ -62,10 +63,10 @@ def decode_texts(
         model.cfg, model.graphdef, model.params, pad(batches[0]), spec, drafter, drafter_params, width, mesh
     )
     jax.block_until_ready(run(pad(batches[0]), seed))  # warm-up
-    outputs, new_tokens, run_s, stats = [], 0, 0.0, []
+    outputs, new_tokens, run_s, stats, learned = [], 0, 0.0, [], None
     for i, batch in enumerate(batches):
         start = time.perf_counter()
-        gen = jax.block_until_ready(run(pad(batch), seed + i))
+        gen = jax.block_until_ready(run(pad(batch), seed + i, learned))
         run_s += time.perf_counter() - start
         gen = sharding.to_host(gen)  # on a mesh of several processes, gathered from all of them
         stats.append(getattr(gen, "stats", None))
@@ -74,4 +75,7 @@ def decode_texts(
             full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
             outputs.append(full[len(model.tokenizer.decode(prompt)) :])
             new_tokens += int(lengths[row])
+        if hasattr(drafter, "absorb"):  # a drafter that learns from finished outputs (suffix decoding)
+            finished = [p + tokens[row, : lengths[row]].tolist() for row, p in enumerate(batch)]
+            learned = drafter.absorb(drafter_params if learned is None else learned, finished)
     return DecodeReport(outputs, new_tokens, compile_s, run_s, stats)

@@ -193,6 +193,7 @@ ERROR_HOMES = {  # module: the errors it raises and re-exports (one class, one h
     "specjax.drafters.ngram": ["NGramError"],
     "specjax.drafters.lookahead": ["LookaheadError"],
     "specjax.drafters.layer_skip": ["LayerSkipError"],
+    "specjax.drafters.suffix": ["SuffixError"],
 }
 
 

@@ -68,8 +68,15 @@ def compile_decode(
         compiled = lowered.compile()
     compile_s = time.perf_counter() - start
 
-    def run(prompts: list[list[int]], seed: int = 0):
+    def run(prompts: list[list[int]], seed: int = 0, drafter_params=None):
+        """The job on `prompts`; `drafter_params` of the same shapes replace the compiled ones (a store that
+        learns from earlier outputs)."""
         tokens, lengths = batch(prompts)[:2]
-        return compiled(**dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(seed))
+        args = dict(dynamic)
+        if drafter_params is not None:
+            args["drafter_params"] = (
+                drafter_params if mesh is None else sharding.place_drafter(mesh, drafter_params)
+            )
+        return compiled(**args, tokens_BP=tokens, lengths_B=lengths, key=job_key(seed))
 
     return run, compile_s

@@ -51,6 +51,8 @@ class Drafter(Protocol):
     # Optional: `reads_target_cache = True`: `propose` then also receives the target's KV cache (keyword
     # `target_cache`) and returns (draft, state, cache), the cache changed only beyond its committed length (slots
     # the verification pass overwrites); layer-skip drafting reads the target's keys/values so (`propose` below).
+    # Optional: `absorb(params, sequences) -> params`, on the host between jobs: the params after learning from
+    # finished sequences (token lists, prompt and output), same shapes (the suffix store); runs call it per batch.
     # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
     # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
     # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and the round before may have

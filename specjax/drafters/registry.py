@@ -21,6 +21,7 @@ BUILTIN = (
     "eagle3",
     "dflash",
     "ngram",
+    "suffix",
     "layer_skip",
     "lookahead",
     "retrieval",

@@ -25,6 +25,8 @@ Sections:
   tau by prompt category; and the draft-model rows of the memory-bound target (`experiments.bench_memory_bound`).
 - dflash: parallel (block) drafting: DFlash's block sizes and trees against EAGLE-3 sequential and parallel and the
   distilled draft, tau by category at T=0/1 and the memory-bound target's speed (`experiments.dflash_table`).
+- suffix: suffix decoding on rollouts (16 samples per prompt at T = 1, 0.7, 0.3) and repeated greedy tasks, with and
+  without the outputs of earlier requests in its store, against n-gram (`experiments.suffix_table`).
 - systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
   parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
@@ -46,7 +48,18 @@ from specjax import analysis, cli, metrics
 from specjax.sampling import Sampler
 from specjax.trees import DynamicTree, parse_tree
 
-SECTIONS = ("leviathan", "main", "memory_bound", "heads", "sweeps", "peers", "distill", "systems", "dflash")
+SECTIONS = (
+    "leviathan",
+    "main",
+    "memory_bound",
+    "heads",
+    "sweeps",
+    "peers",
+    "distill",
+    "systems",
+    "dflash",
+    "suffix",
+)
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
 flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables and plots.")
@@ -618,6 +631,12 @@ def dflash(out: harness.Writer, quick: bool, target) -> None:
     dflash_table.tables(out, quick, target, cats, 1 if quick else FLAGS.repeats)
 
 
+def suffix(out: harness.Writer, quick: bool, target) -> None:
+    from experiments import suffix_table
+
+    suffix_table.tables(out, quick, target)
+
+
 # --- systems ------------------------------------------------------------------------------------------------
 
 
@@ -729,6 +748,7 @@ def main(argv):
             ("distill", distill_tables),
             ("systems", systems),
             ("dflash", dflash),
+            ("suffix", suffix),
         )
     }
     for name in FLAGS.sections:

@@ -16,6 +16,7 @@ from specjax import results
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = {  # the columns each table must have
+    "suffix_rollouts": ["method", "T", "own_only", "with_earlier"],
     "dflash_categories": [
         "method",
         "setting",
@@ -169,6 +170,13 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
     assert (
         tau["distilled draft"] > tau["draft model"] + 0.5
     )  # the trained draft agrees, the truncated one not
+    with open(out / "suffix_rollouts.csv") as f:
+        rollouts = {r["method"]: r for r in csv.DictReader(x for x in f if not x.startswith("#"))}
+    ngram, chain = rollouts["n-gram"], rollouts["suffix chain"]
+    assert ngram["own_only"] == ngram["with_earlier"]  # no store
+    assert float(chain["with_earlier"]) > float(
+        chain["own_only"]
+    )  # the second sample drafts from the first
     with open(out / "distill_divergence.csv") as f:
         alpha = {
             r["draft"]: float(r["alpha_T0"]) for r in csv.DictReader(x for x in f if not x.startswith("#"))

@@ -1,0 +1,131 @@
+"""`make tables --sections=suffix`: suffix decoding on the workloads it is for, on stories260K (batch 1, float32).
+
+- suffix_rollouts: 4 prompts x 16 samples x 128 tokens at T = 1, 0.7 and 0.3, one request at a time, each prompt's
+  samples in a row: tau (tokens per target pass) with the drafter's store kept from request to request (earlier
+  outputs in it) and with an empty store each time (the request's own prompt and output only).
+- suffix_repeated: greedy, each prompt 4 times in a row: tau over all requests and over the 4th repetitions.
+Rows: suffix chains K = 8 (most frequent path, sized by the match; drawn from the frequencies with q where
+sampling; verifying all K), a frequency tree of 24 nodes, n-gram prompt lookup K = 8 and EAGLE-3's committed head
+(K = 7), which have no store. The store's size and the lookup's cost are in the notes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from experiments import harness
+from specjax.decoding import compile_decode
+from specjax.drafters import registry
+from specjax.drafters.ngram import NGramSettings
+from specjax.drafters.suffix import SuffixSettings
+from specjax.sampling import Sampler
+
+PROMPTS = ("Once upon a time", "Tom had a red ball", "Lily went to the park", "One day, a little bird")
+STORE_TOKENS = 65_536
+K = 8
+
+
+def drafters(quick: bool) -> list[tuple]:
+    """(method, registered drafter, settings, K, when): `when` says at which temperatures the row runs."""
+    chain = SuffixSettings(store_tokens=STORE_TOKENS)
+    rows = [
+        ("suffix chain", "suffix", chain, K, "always"),
+        ("n-gram", "ngram", NGramSettings(), K, "always"),
+    ]
+    if quick:
+        return rows
+    whole = dataclasses.replace(chain, spec_factor=float(K), min_prob=0.0)
+    return rows[:1] + [
+        ("suffix chain, q from frequencies", "suffix", dataclasses.replace(chain, frequencies=True), K, "sampling"),
+        ("suffix chain, verifies K", "suffix", whole, K, "always"),
+        ("suffix tree, 24 nodes", "suffix", dataclasses.replace(chain, nodes=24), K, "always"),
+        rows[1],
+        ("EAGLE-3 chain K=7 (committed head)", "eagle3", registry.get("eagle3").settings(), 7, "always"),
+    ]  # fmt: skip
+
+
+def replay(target, drafter, dparams, requests, sampler, n_new: int) -> list[tuple]:
+    """Decodes `requests` one at a time, twice: with the store kept across them and with an empty store each time.
+    {mode: [(tokens emitted, target passes) per request]} and the store at the end."""
+    spec = harness.generate_spec(n_new, sampler, eos_id=None)
+    run, _ = compile_decode(
+        target.cfg, target.graphdef, target.params, [requests[0]], spec, drafter, dparams, 32
+    )
+    out = {}
+    for mode in ("own", "earlier") if hasattr(drafter, "absorb") else ("own",):
+        store, counts = dparams, []
+        for i, prompt in enumerate(requests):
+            gen = jax.device_get(run([prompt], i, store))
+            counts.append((int(np.sum(gen.stats.emitted)), int(np.sum(gen.stats.row_rounds))))
+            if mode == "earlier" and hasattr(drafter, "absorb"):
+                store = drafter.absorb(store, [prompt + gen.tokens[0, : gen.lengths[0]].tolist()])
+        out[mode] = counts
+    return out | {"earlier": out.get("earlier", out["own"])}, store
+
+
+def tau(counts) -> float:
+    """Tokens per target pass over all the requests."""
+    return sum(e for e, _ in counts) / sum(p for _, p in counts)
+
+
+def mean_tau(counts) -> float:
+    """The mean of the requests' own tau."""
+    return float(np.mean([e / p for e, p in counts]))
+
+
+def lookup_ms(drafter, dparams, seq_len: int, repeats: int = 20) -> float:
+    """One `propose` of a row of `seq_len` tokens against the store `dparams` (ms, median)."""
+    seq = np.ones((1, seq_len), np.int32)
+    propose = jax.jit(lambda p, s, n: drafter.propose(p, (), s, n, jax.random.key(0))[0].tokens)
+    call = lambda: propose(dparams, seq, np.array([seq_len], np.int32)).block_until_ready()
+    return 1e3 * harness.median_time(call, repeats)
+
+
+def tables(out: harness.Writer, quick: bool, target) -> None:
+    samples, n_new = (2, 16) if quick else (16, 128)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS[: 1 if quick else 4]]
+    rollouts, repeated, store, suffix = [], [], None, None
+    for t in (1.0,) if quick else (1.0, 0.7, 0.3, 0.0):
+        sampler = Sampler(t)
+        requests = [p for p in prompts for _ in range(samples if t else 4)]
+        for method, name, settings, k, when in drafters(quick):
+            if when == "sampling" and not t:
+                continue
+            entry = registry.get(name)
+            drafter, dparams = entry.build(target, settings, k, None, sampler)
+            counts, learned = replay(target, drafter, dparams, requests, sampler, n_new)
+            own, earlier = counts["own"], counts["earlier"]
+            row = dict(method=method, T=t, own_only=tau(own), with_earlier=tau(earlier))
+            row |= dict(own_only_mean=mean_tau(own), with_earlier_mean=mean_tau(earlier))
+            if t:
+                rollouts.append(row)
+            else:
+                last = [c for i, c in enumerate(earlier) if i % 4 == 3]
+                repeated.append(row | dict(with_earlier_4th=tau(last)))
+            if settings == SuffixSettings(store_tokens=STORE_TOKENS) and t == 1.0:
+                suffix, store = drafter, learned
+    held = int(np.sum(np.asarray(store["store"]) >= 0))
+    notes = (
+        f"The store (suffix chain, T = 1, after the last request): {held} tokens of {STORE_TOKENS} "
+        f"({4 * STORE_TOKENS / 2**20:.2f} MiB, int32); one lookup (a row of 256 tokens against it): "
+        f"{lookup_ms(suffix, store, 256):.2f} ms on this machine. n-gram and EAGLE-3 have no store: their columns "
+        "agree. tau: tokens per target pass over all the requests; *_mean: the mean of the requests' own tau."
+    )
+    out.table(
+        "suffix_rollouts",
+        rollouts,
+        f"Suffix decoding on rollouts (stories260K, {len(prompts)} prompts x {samples} samples x {n_new} tokens, one "
+        f"request at a time, each prompt's samples in a row; K = {K}): tau with an empty store per request "
+        "(own_only) and with the outputs of earlier requests in the store (with_earlier)",
+        notes,
+    )
+    if repeated:
+        out.table(
+            "suffix_repeated",
+            repeated,
+            f"Suffix decoding on repeated tasks (stories260K, greedy, {len(prompts)} prompts each 4 times in a row, "
+            f"{n_new} tokens; K = {K}): tau over every request and over the 4th repetitions",
+        )

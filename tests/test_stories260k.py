@@ -61,3 +61,21 @@ def test_orbax_restore_onto_sharding(stories, tmp_path):
     sharding = jax.sharding.SingleDeviceSharding(device)
     _, _, params = restore_model(path, shardings=lambda tree: jax.tree.map(lambda _: sharding, tree))
     assert all(leaf.sharding == sharding for leaf in jax.tree.leaves(params))
+
+
+def test_transformers_missing_torch_notice_is_dropped_and_other_messages_pass(stories):
+    import logging
+
+    from specjax.tokenizer import HFTokenizer
+
+    HFTokenizer(stories.path)  # where it is installed
+    library, seen = logging.getLogger("transformers"), []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    library.addHandler(handler)
+    try:
+        library.warning("PyTorch was not found. Models won't be available and only tokenizers, ...")
+        library.warning("a real warning")
+    finally:
+        library.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["a real warning"]

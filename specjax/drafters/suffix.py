@@ -71,7 +71,7 @@ class FrequencyTree:
         return f"a suffix frequency tree of {self.size} nodes"
 
     def layout(self, batch: int):
-        raise ValueError(f"{self} has no fixed layout: the suffix drafter builds one each round")
+        raise SuffixError(f"{self} has no fixed layout: the suffix drafter builds one each round")
 
 
 # Up to this many rows, each row also searches the batch's other rows (the text is shared: O(B^2) comparisons per

@@ -106,7 +106,7 @@ def profile_shape(name: str, new_tokens: int, repeats: int, bandwidth: float):
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             run()
         found = device_kernels(Path(tmp))
-    per_layer = 1e0 / (new_tokens * cfg.n_layers)  # microseconds per layer per token
+    per_layer = 1 / (new_tokens * cfg.n_layers)  # microseconds per layer per token
     by_kind = collections.defaultdict(float)
     for kernel, us in found:
         by_kind[kind(kernel)] += us

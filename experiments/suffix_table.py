@@ -94,16 +94,16 @@ def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
     cfg, graphdef, params = expand.expand(target.cfg, target.params, expand.Expansion())
     spec = GenerateSpec(n_new, eos_id=None)
     settings = SuffixSettings(store_tokens=STORE_TOKENS)
+    ar, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, bucket=32)
+    outputs = [np.asarray(ar([prompt]).tokens)[0].tolist() for prompt in prompts]
     rows = []
     for method, chosen in (("suffix chain", settings), ("suffix chain, verifies K", dataclasses.replace(
             settings, spec_factor=float(K), min_prob=0.0))):  # fmt: skip
         drafter, store = registry.get("suffix").build(target, chosen, K, None, Sampler())
-        ar, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, bucket=32)
         spec_run, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, drafter, store, 32)
         ar_s = spec_s = 0.0
         emitted = passes = 0
-        for prompt in prompts:
-            output = np.asarray(ar([prompt]).tokens)[0].tolist()
+        for prompt, output in zip(prompts, outputs):
             learned = drafter.absorb(store, [prompt + output] * 3)
             gen = jax.device_get(spec_run([prompt], 0, learned))
             assert gen.tokens[0].tolist() == output, "greedy suffix decoding differs from AR"

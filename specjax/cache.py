@@ -84,3 +84,15 @@ class KVCache:
         idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (batch, t, self.size))
         window_visible = jnp.take_along_axis(mask_BTW, idx, axis=2) & in_window[:, None, :]
         return (rel < 0)[:, None, :] | window_visible
+
+    def recent(self, positions_BT: jax.Array, w: int, window: int) -> jax.Array:
+        """`[B, T, S]`: which slots hold a token less than `window` positions before each new token (a sliding
+        layer's reach). A committed slot holds the position equal to its index (prompts start at slot 0 and
+        commits are contiguous); the T new tokens (the window's last T slots) are at `positions_BT`; an earlier
+        slot of the window (W > T: a draft written level by level) counts at its index."""
+        t = positions_BT.shape[1]
+        slots = jnp.arange(self.size)[None, :]
+        rel = slots - self.length[:, None] - (w - t)  # index among the new tokens
+        new = jnp.take_along_axis(positions_BT, jnp.clip(rel, 0, t - 1), axis=1)
+        key_positions = jnp.where((rel >= 0) & (rel < t), new, slots)  # [B, S]
+        return key_positions[:, None, :] > positions_BT[:, :, None] - window

@@ -46,9 +46,19 @@ def test_token_ids_outside_vocabulary():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; specjax runs llama, mistral, qwen2"),
-        ({"model_type": "mistral", "sliding_window": 128}, "needs sliding-window attention"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported"),
+        (
+            {"model_type": "gpt2"},
+            "model_type 'gpt2' is not supported; specjax runs llama, mistral, qwen2, qwen3",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope scaling 'dynamic' is not supported",
+        ),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1]},
+            "dense layers",
+        ),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )
@@ -57,9 +67,12 @@ def test_unsupported_architectures(change, message):
         LlamaConfig.from_hf({**HF_CONFIG, **change})
 
 
-def test_mistral_without_window_is_accepted():
-    cfg = LlamaConfig.from_hf({**HF_CONFIG, "model_type": "mistral", "sliding_window": None})
-    assert cfg.n_kv_heads == 4
+def test_mistral_window_as_long_as_the_context_is_full_attention():
+    for window in (None, HF_CONFIG["max_position_embeddings"]):
+        cfg = LlamaConfig.from_hf({**HF_CONFIG, "model_type": "mistral", "sliding_window": window})
+        assert (cfg.n_kv_heads, cfg.sliding_window, cfg.layer_types) == (4, None, ())
+    cfg = LlamaConfig.from_hf({**HF_CONFIG, "model_type": "mistral", "sliding_window": 128})
+    assert cfg.window(0) == 128 and cfg.layer_types == ("sliding",) * cfg.n_layers
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,7 @@ CONFIGS = {
         norm_eps=1e-6,
         rope_theta=1e6,
         max_seq_len=64,
+        family="qwen2",
     ),
 }
 SEQ = 12

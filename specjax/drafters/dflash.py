@@ -146,7 +146,7 @@ def attend(q_BTHD, k_BSKD, v_BSKD, visible_BTS):
 
 def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:
     """The draft's decoder layers: `n_layers` layers of the target's shape."""
-    return target_cfg.replace(n_layers=n_layers)
+    return target_cfg.head_layers(n_layers)
 
 
 def init_dflash(

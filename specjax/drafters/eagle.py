@@ -60,7 +60,7 @@ class EagleHead(nnx.Module):
 
 def layer_config(target_cfg: LlamaConfig) -> LlamaConfig:
     """The head's decoder layer: one layer of the target's architecture."""
-    return target_cfg.replace(n_layers=1)
+    return target_cfg.head_layers(1)
 
 
 def init_eagle(target_cfg: LlamaConfig, seed: int = 0, input_norm: bool = True):

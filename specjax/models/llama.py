@@ -32,13 +32,17 @@ def features(hidden: Hidden, taps: tuple[int, ...] = ()) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    """RMSNorm over the last axis; `plus_one` (Gemma) scales by 1 + weight in float32 (its weights start at 0)."""
+
+    def __init__(self, dim: int, eps: float, dtype, plus_one: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype))
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
@@ -122,6 +126,76 @@ BLOCKED_ROWS = 32
 ROW_BLOCKS = 2
 
 
+def gated(gate, up, cfg: LlamaConfig):
+    """The MLP's gated activation: SwiGLU, Gemma's GeGLU (tanh GELU), or gpt-oss's clamped SwiGLU."""
+    if cfg.swiglu_clamp is not None:
+        alpha, limit = cfg.swiglu_clamp
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+    act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+    return act(gate) * up
+
+
+class MLP(nnx.Module):
+    """A gated MLP: gate and up fused in one matrix ([gate; up] rows), then down."""
+
+    def __init__(self, cfg: LlamaConfig, hidden: int, bias: bool, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.w_gate_up = Linear(cfg.dim, 2 * hidden, bias, dt, rngs)
+        self.w_down = Linear(hidden, cfg.dim, bias, dt, rngs)
+
+    def __call__(self, x, cfg: LlamaConfig):
+        gate, up = jnp.split(self.w_gate_up(x), 2, axis=-1)
+        return self.w_down(gated(gate, up, cfg))
+
+
+class Experts(nnx.Module):
+    """Routed experts: a router picks `experts_per_token` of `n_experts` MLPs per token and mixes their outputs.
+
+    Each expert is its own module (its own arrays), and a token's pass runs only its experts' matrices, one
+    `lax.switch` over the experts per (token, pick) in a loop: it reads the routed experts' weights and nothing
+    else (no gather copies them). Where the picks outnumber the experts, every expert runs on every token,
+    weighted by the routing (zero for the unrouted), reading each expert once.
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.router = Linear(cfg.dim, cfg.n_experts, cfg.expert_bias, jnp.dtype(cfg.dtype), rngs)
+        self.experts = nnx.List(
+            [MLP(cfg, cfg.expert_dim, cfg.expert_bias, rngs) for _ in range(cfg.n_experts)]
+        )
+
+    def route(self, rows_RH, cfg: LlamaConfig):
+        """(weights [R, k] in the rows' dtype, expert indices [R, k]) of each row's picks."""
+        logits = self.router(rows_RH).astype(jnp.float32)
+        k = cfg.experts_per_token
+        if cfg.router == "topk_softmax":
+            top, idx = jax.lax.top_k(logits, k)
+            return jax.nn.softmax(top, axis=-1).astype(rows_RH.dtype), idx
+        top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        if cfg.router == "softmax_topk_norm":
+            top = top / top.sum(-1, keepdims=True)
+        return top.astype(rows_RH.dtype), idx
+
+    def __call__(self, x_BTH, cfg: LlamaConfig):
+        rows = x_BTH.reshape(-1, x_BTH.shape[-1])
+        weights, idx = self.route(rows, cfg)
+        r, k = idx.shape
+        if r * k >= len(self.experts):
+            dense = (
+                jnp.zeros((r, len(self.experts)), rows.dtype).at[jnp.arange(r)[:, None], idx].add(weights)
+            )
+            out = sum(dense[:, e, None] * expert(rows, cfg) for e, expert in enumerate(self.experts))
+            return out.reshape(x_BTH.shape)
+        branches = [functools.partial(lambda m, x: m(x, cfg), m) for m in self.experts]
+
+        def pick(i, out):
+            row, slot = i // k, i % k
+            y = jax.lax.switch(idx[row, slot], branches, rows[row][None])[0]
+            return out.at[row].add(weights[row, slot] * y)
+
+        return jax.lax.fori_loop(0, r * k, pick, jnp.zeros_like(rows)).reshape(x_BTH.shape)
+
+
 def apply_rope(x, cos, sin):
     """Rotate-half RoPE; x [B, T, heads, D], cos/sin [B, T, D/2]."""
     half = x.shape[-1] // 2
@@ -131,20 +205,22 @@ def apply_rope(x, cos, sin):
 
 
 @functools.cache
-def rope_table(inv_freq: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) [size, D/2] of the rotary angles at positions 0..size-1 (float32 angles, as in transformers)."""
+def rope_table(inv_freq: tuple[float, ...], size: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [size, D/2] of the rotary angles at positions 0..size-1 (float32 angles, as in transformers),
+    times `scale`."""
     angles = np.arange(size, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]
-    return np.cos(angles, dtype=np.float64).astype(np.float32), np.sin(angles, dtype=np.float64).astype(
-        np.float32
+    return tuple(
+        (f(angles, dtype=np.float64) * np.float32(scale)).astype(np.float32) for f in (np.cos, np.sin)
     )
 
 
-def rope_angles(inv_freq: tuple[float, ...], positions_BT, size: int):
-    """(cos, sin) [B, T, D/2] at `positions_BT` (< `size`, else NaN), looked up in `rope_table`: XLA CPU evaluates
-    cos/sin inside every layer's RoPE fusion, which cost a 9-token decoding pass of stories260K 7-11%."""
+def rope_angles(inv_freq: tuple[float, ...], positions_BT, size: int, scale: float = 1.0):
+    """(cos, sin) [B, T, D/2] at `positions_BT` (< `size`, else NaN), looked up in `rope_table` (times `scale`, YaRN's
+    attention factor): XLA CPU evaluates cos/sin inside every layer's RoPE fusion, which cost a 9-token decoding
+    pass of stories260K 7-11%."""
     return tuple(
         jnp.take(jnp.asarray(t), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
-        for t in rope_table(inv_freq, size)
+        for t in rope_table(inv_freq, size, scale)
     )
 
 
@@ -152,32 +228,56 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         hd = cfg.head_dim
-        linear = lambda n_in, n_out, bias: Linear(n_in, n_out, bias, dt, rngs)
-        self.layer = layer
+        norm = lambda dim: RMSNorm(dim, cfg.norm_eps, dt, cfg.norm_plus_one)
+        self.cfg, self.layer, self.window = cfg, layer, cfg.window(layer)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
-        self.wqkv = linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.qkv_bias)
-        self.wo = linear(cfg.n_heads * hd, cfg.dim, cfg.o_bias)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
-        self.w_gate_up = linear(cfg.dim, 2 * cfg.hidden_dim, False)
-        self.w_down = linear(cfg.hidden_dim, cfg.dim, False)
+        self.attn_norm = norm(cfg.dim)
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.qkv_bias, dt, rngs)
+        self.wo = Linear(cfg.n_heads * hd, cfg.dim, cfg.o_bias, dt, rngs)
+        self.mlp_norm = norm(cfg.dim)
+        if cfg.n_experts:
+            self.moe = Experts(cfg, rngs)
+        else:
+            self.w_gate_up = Linear(cfg.dim, 2 * cfg.hidden_dim, False, dt, rngs)
+            self.w_down = Linear(cfg.hidden_dim, cfg.dim, False, dt, rngs)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm(hd), norm(hd)
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(cfg.dim), norm(cfg.dim)
+        if cfg.attn_sinks:
+            self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), dt))
 
     def __call__(self, x_BTH, cos, sin, cache: KVCache, visible_BTS, offset: int):
         return self.finish(x_BTH, self.wqkv(self.attn_norm(x_BTH)), cos, sin, cache, visible_BTS, offset)
 
     def heads(self, qkv, cos, sin):
-        """(queries [B, T, heads, D], keys and values [B, T, kv heads, D]) from the q/k/v projection, with RoPE."""
+        """(queries [B, T, heads, D], keys and values [B, T, kv heads, D]) from the q/k/v projection, with RoPE
+        (after the per-head norms of Qwen3 and Gemma 3)."""
         b, t, _ = qkv.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = apply_rope(qkv[..., : h * hd].reshape(b, t, h, hd), cos, sin)
-        k = apply_rope(qkv[..., h * hd : (h + kv) * hd].reshape(b, t, kv, hd), cos, sin)
-        return q, k, qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd)
+        q, k = (
+            qkv[..., : h * hd].reshape(b, t, h, hd),
+            qkv[..., h * hd : (h + kv) * hd].reshape(b, t, kv, hd),
+        )
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (
+            apply_rope(q, cos, sin),
+            apply_rope(k, cos, sin),
+            qkv[..., (h + kv) * hd :].reshape(b, t, kv, hd),
+        )
 
     def residual(self, x_BTH, attn_BTA):
         """The block after attention: output projection and MLP on the residual stream."""
-        x_BTH = x_BTH + self.wo(attn_BTA)
-        gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x_BTH)), 2, axis=-1)
-        return x_BTH + self.w_down(jax.nn.silu(gate) * up)
+        cfg, out = self.cfg, self.wo(attn_BTA)
+        x_BTH = x_BTH + (self.post_attn_norm(out) if cfg.sandwich_norms else out)
+        x = self.mlp_norm(x_BTH)
+        if cfg.n_experts:
+            out = self.moe(x, cfg)
+        else:
+            gate, up = jnp.split(self.w_gate_up(x), 2, axis=-1)
+            out = self.w_down(gated(gate, up, cfg))
+        return x_BTH + (self.post_mlp_norm(out) if cfg.sandwich_norms else out)
 
     def finish(self, x_BTH, qkv, cos, sin, cache: KVCache, visible_BTS, offset: int):
         """The block after its q/k/v projection: attention (writing this layer's keys/values), output
@@ -192,16 +292,31 @@ class Block(nnx.Module):
         )  # query heads per kv head; (row, kv head) is the matmuls' batch axis, (group, token) their rows
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
         scores = jnp.einsum("xqd,xsd->xqs", q, k_all, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kv, g, t, -1) * (hd**-0.5)
-        scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype).reshape(b * kv, g * t, -1)
+        probs = self.attention(scores.reshape(b, kv, g, t, -1), visible_BTS)
+        probs = probs.astype(v_all.dtype).reshape(b * kv, g * t, -1)
         attn = jnp.einsum("xqs,xds->xqd", probs, v_all).reshape(b, kv, g, t, hd)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
         return self.residual(x_BTH, attn), cache
 
+    def attention(self, scores, visible_BTS):
+        """Attention weights [B, kv, g, T, S] (float32) from the raw scores: scaled, soft-capped (Gemma 2),
+        masked, and normalised with each head's sink logit in the denominator (gpt-oss)."""
+        cfg = self.cfg
+        scores = scores * (self.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale)
+        if cfg.attn_softcap:
+            scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
+        scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        if not cfg.attn_sinks:
+            return jax.nn.softmax(scores, axis=-1)
+        sink = self.sinks[...].astype(jnp.float32).reshape(1, self.n_kv_heads, -1, 1, 1)
+        top = jnp.maximum(scores.max(-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        return e / (e.sum(-1, keepdims=True) + jnp.exp(sink - top))
+
 
 class Llama(nnx.Module):
-    """Decoder-only transformer: embed -> blocks -> norm -> LM head (tied or untied)."""
+    """Decoder-only transformer: embed -> blocks -> norm -> LM head (tied or untied), for every supported family
+    (`LlamaConfig`'s family fields say what a layer adds)."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
@@ -214,25 +329,37 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
         )
         self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dt, cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, dt, rngs)
-        self.inv_freq = tuple(float(f) for f in cfg.inv_freq())  # static, not a parameter
+        self.cfg = cfg  # static, not a parameter
+        self.inv_freq = tuple(float(f) for f in cfg.inv_freq())
+        self.local_inv_freq = tuple(float(f) for f in cfg.inv_freq(local=True))
 
     def __call__(self, tokens_BT, positions_BT, cache: KVCache, mask_BTW, taps: tuple[int, ...] = ()):
-        b, t = tokens_BT.shape
+        cfg, (b, t) = self.cfg, tokens_BT.shape
         mask_BTW = jnp.broadcast_to(mask_BTW, (b, t, mask_BTW.shape[-1]))
-        cos, sin = rope_angles(self.inv_freq, positions_BT, cache.size)
-        visible = cache.visible(mask_BTW)
+        rope = {False: rope_angles(self.inv_freq, positions_BT, cache.size, cfg.rope_scale())}
+        if self.local_inv_freq != self.inv_freq:
+            rope[True] = rope_angles(self.local_inv_freq, positions_BT, cache.size)
+        visible = {None: cache.visible(mask_BTW)}
+        if cfg.sliding_window:
+            recent = cache.recent(positions_BT, mask_BTW.shape[-1], cfg.sliding_window)
+            visible[cfg.sliding_window] = visible[None] & recent
         x = self.embed(tokens_BT)
+        if cfg.embed_scale:
+            x = x * jnp.asarray(cfg.dim**0.5, x.dtype)
         tapped = {}
         for i, block in enumerate(self.layers):
-            x, cache = block(x, cos, sin, cache, visible, mask_BTW.shape[-1] - t)
+            cos, sin = rope[block.window is not None and len(rope) > 1]  # sliding layers' own RoPE, if any
+            x, cache = block(x, cos, sin, cache, visible[block.window], mask_BTW.shape[-1] - t)
             if i in taps:
                 tapped[i] = x
         final = self.norm(x)
         head = self.embed.embedding[...] if self.lm_head is None else self.lm_head.matrix()  # [V, dim]
-        logits = jnp.einsum("btd,vd->btv", final, head)
-        return logits.astype(jnp.float32), Hidden(final, tuple(tapped[i] for i in taps)), cache
+        logits = jnp.einsum("btd,vd->btv", final, head).astype(jnp.float32)
+        if cfg.final_softcap:
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+        return logits, Hidden(final, tuple(tapped[i] for i in taps)), cache
 
 
 @precision.follows_params

@@ -52,7 +52,7 @@ def params_digest(params) -> str:
 
 def model_identity(cfg: LlamaConfig, digest: str) -> str:
     """What a target is, for provenance records: its config and the digest of its weights."""
-    record = json.dumps({"config": dataclasses.asdict(cfg), "params": digest}, sort_keys=True, default=str)
+    record = json.dumps({"config": cfg.identity_record(), "params": digest}, sort_keys=True, default=str)
     return hashlib.sha256(record.encode()).hexdigest()[:20]
 
 
@@ -105,8 +105,6 @@ def read_config(path: Path) -> LlamaConfig:
     try:
         meta = json.loads((path / MARKER).read_text())
         config = meta["config"]
-        if config.get("rope_llama3_scaling") is not None:
-            config["rope_llama3_scaling"] = tuple(config["rope_llama3_scaling"])
         return LlamaConfig(**config)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(

@@ -131,61 +131,151 @@ def read_safetensors(model_dir: Path) -> SafetensorsFiles:
 
 
 def params_from_hf(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], put: Callable | None = None):
-    """(graphdef, params) from Hugging Face Llama/Mistral/Qwen2 tensor names, converted a layer at a time:
-    `put(path, array in the config's dtype)` places each parameter (default: on the default device; on a mesh,
-    `specjax.sharding.leaf_placer`), so the host holds one layer's tensors at a time."""
-
-    d, v, f = cfg.dim, cfg.vocab_size, cfg.hidden_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    """(graphdef, params) from a Hugging Face checkpoint's tensor names (every supported family), converted a layer
+    at a time: `put(path, array in the config's dtype)` places each parameter (default: on the default device; on a
+    mesh, `specjax.sharding.leaf_placer`), so the host holds one layer's tensors at a time."""
     put = put or (lambda path, x: jax.device_put(x))  # jnp.asarray would compile a copy per shape
+    prefix = next((p for p in MODEL_PREFIXES if p + "embed_tokens.weight" in tensors), "model.")
 
-    def get(name, shape):
+    def tensor(name, shape):
         if name not in tensors:
             raise CheckpointError(f"tensor {name!r} is missing from the safetensors checkpoint")
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
+        if tuple(tensors[name].shape) != shape:
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}; "
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json implies {shape}; "
                 "the weights and config.json do not belong together: download them again"
             )
-        return np.asarray(tensor, dtype=np.float32)
+        return np.asarray(tensors[name], dtype=np.float32)
 
-    def placed(prefix: tuple, tree: dict) -> dict:
+    def get(name, shape):  # inside the decoder
+        return tensor(prefix + name, shape)
+
+    def placed(path: tuple, tree: dict) -> dict:
         return {
-            key: placed(prefix + (key,), value)
+            key: placed(path + (key,), value)
             if isinstance(value, dict)
-            else put(prefix + (key,), np.asarray(value, dtype=jnp.dtype(cfg.dtype)))
+            else put(path + (key,), np.asarray(value, dtype=jnp.dtype(cfg.dtype)))
             for key, value in tree.items()
         }
 
     layers = []
     for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = (
-            [get(a + f"{n}_proj.bias", (m,)) for n, m in zip("qkv", (q, kv, kv))] if cfg.qkv_bias else None
-        )
-        layer = placed(
-            ("layers", i),
-            _layer(
-                get(p + "input_layernorm.weight", (d,)),
-                get(a + "q_proj.weight", (q, d)),
-                get(a + "k_proj.weight", (kv, d)),
-                get(a + "v_proj.weight", (kv, d)),
-                get(a + "o_proj.weight", (d, q)),
-                get(p + "post_attention_layernorm.weight", (d,)),
-                get(p + "mlp.gate_proj.weight", (f, d)),
-                get(p + "mlp.up_proj.weight", (f, d)),
-                get(p + "mlp.down_proj.weight", (d, f)),
-                bias,
-                get(a + "o_proj.bias", (d,)) if cfg.o_bias else None,
-            ),
-        )
+        layer = placed(("layers", i), hf_layer(cfg, get, f"layers.{i}.", lambda n: prefix + n in tensors))
         layers.append(jax.block_until_ready(layer))  # copied before the next is read: one layer on the host
-    lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (v, d))
-    embed, norm = get("model.embed_tokens.weight", (v, d)), get("model.norm.weight", (d,))
+    d, v = cfg.dim, cfg.vocab_size
+    lm_head = None if cfg.tie_embeddings else tensor("lm_head.weight", (v, d))
+    embed, norm = get("embed_tokens.weight", (v, d)), get("norm.weight", (d,))
     rest = placed((), _assemble(cfg, embed, [], norm, lm_head))
     return build_params(cfg, rest | {"layers": dict(enumerate(layers))})
+
+
+# where a checkpoint keeps its decoder: causal LMs under "model.", Gemma 3's multimodal ones under their text model
+MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+
+def hf_layer(cfg: LlamaConfig, get: Callable, p: str, has: Callable) -> dict:
+    """Layer `p` ("layers.i.") in specjax's names from the Hugging Face names of its family."""
+    d, hd = cfg.dim, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    a = p + "self_attn."
+    if cfg.family == "phi3":
+        qkv = get(a + "qkv_proj.weight", (q + 2 * kv, d))
+    else:
+        qkv = np.concatenate([get(a + f"{n}_proj.weight", (m, d)) for n, m in zip("qkv", (q, kv, kv))])
+    layer = {"attn_norm": {"weight": get(p + "input_layernorm.weight", (d,))}, "wqkv": {"weight": qkv}}
+    layer["wo"] = {"weight": get(a + "o_proj.weight", (d, q))}
+    if cfg.qkv_bias:
+        layer["wqkv"]["bias"] = np.concatenate(
+            [get(a + f"{n}_proj.bias", (m,)) for n, m in zip("qkv", (q, kv, kv))]
+        )
+    if cfg.o_bias:
+        layer["wo"]["bias"] = get(a + "o_proj.bias", (d,))
+    if cfg.qk_norm:
+        layer["q_norm"], layer["k_norm"] = ({"weight": get(a + f"{n}_norm.weight", (hd,))} for n in "qk")
+    if cfg.attn_sinks:
+        layer["sinks"] = get(a + "sinks", (cfg.n_heads,))
+    if (
+        cfg.sandwich_norms
+    ):  # Gemma: post_attention_layernorm follows attention, pre_feedforward_layernorm leads the MLP
+        layer["post_attn_norm"] = {"weight": get(p + "post_attention_layernorm.weight", (d,))}
+        layer["mlp_norm"] = {"weight": get(p + "pre_feedforward_layernorm.weight", (d,))}
+        layer["post_mlp_norm"] = {"weight": get(p + "post_feedforward_layernorm.weight", (d,))}
+    else:
+        layer["mlp_norm"] = {"weight": get(p + "post_attention_layernorm.weight", (d,))}
+    if cfg.n_experts:
+        layer["moe"] = hf_experts(cfg, get, p + "mlp.", has)
+    else:
+        layer |= hf_mlp(cfg, get, p + "mlp.", cfg.hidden_dim, "gate_proj", "up_proj", "down_proj")
+    return layer
+
+
+def hf_mlp(cfg: LlamaConfig, get: Callable, p: str, f: int, gate: str, up: str, down: str) -> dict:
+    """A gated MLP's {w_gate_up, w_down} from separate gate and up matrices (Phi-3: one fused gate_up_proj)."""
+    d = cfg.dim
+    if cfg.family == "phi3":
+        gate_up = get(p + "gate_up_proj.weight", (2 * f, d))
+    else:
+        gate_up = np.concatenate([get(p + f"{gate}.weight", (f, d)), get(p + f"{up}.weight", (f, d))])
+    return {"w_gate_up": {"weight": gate_up}, "w_down": {"weight": get(p + f"{down}.weight", (d, f))}}
+
+
+def hf_experts(cfg: LlamaConfig, get: Callable, p: str, has: Callable) -> dict:
+    """The router and experts of a mixture-of-experts layer: Mixtral's (block_sparse_moe, w1/w3/w2), Qwen3-MoE's
+    (gate_proj/up_proj/down_proj per expert) or gpt-oss's (all experts in one tensor, [in, out], gate and up
+    interleaved, with biases; dequantised from MXFP4 where the checkpoint holds that)."""
+    d, e, f = cfg.dim, cfg.n_experts, cfg.expert_dim
+    if cfg.family == "mixtral":
+        p = p.replace("mlp.", "block_sparse_moe.")
+        names, router = ("w1", "w3", "w2"), {"weight": get(p + "gate.weight", (e, d))}
+    elif cfg.family == "qwen3_moe":
+        names, router = ("gate_proj", "up_proj", "down_proj"), {"weight": get(p + "gate.weight", (e, d))}
+    else:
+        router = {"weight": get(p + "router.weight", (e, d)), "bias": get(p + "router.bias", (e,))}
+        x = p + "experts."
+        gate_up = stacked_experts(get, has, x + "gate_up_proj", (e, 2 * f, d))
+        down = stacked_experts(get, has, x + "down_proj", (e, d, f))
+        gate_up_bias, down_bias = (
+            get(x + "gate_up_proj_bias", (e, 2 * f)),
+            get(x + "down_proj_bias", (e, d)),
+        )
+        experts = {
+            i: {
+                "w_gate_up": {
+                    "weight": np.concatenate([gate_up[i, 0::2], gate_up[i, 1::2]]),
+                    "bias": np.concatenate([gate_up_bias[i, 0::2], gate_up_bias[i, 1::2]]),
+                },
+                "w_down": {"weight": down[i], "bias": down_bias[i]},
+            }
+            for i in range(e)
+        }
+        return {"router": router, "experts": experts}
+    experts = {i: hf_mlp(cfg, get, p + f"experts.{i}.", f, *names) for i in range(e)}
+    return {"router": router, "experts": experts}
+
+
+def stacked_experts(get: Callable, has: Callable, name: str, shape: tuple) -> np.ndarray:
+    """gpt-oss's stacked expert matrices as [E, out, in]: dequantised from MXFP4 (`name_blocks`, `name_scales`), or
+    read as stored ([E, in, out]) and transposed."""
+    e, n_out, n_in = shape
+    if not has(name + "_blocks"):
+        return get(name, (e, n_in, n_out)).transpose(0, 2, 1)
+    groups = n_in // 32
+    blocks = get(name + "_blocks", (e, n_out, groups, 16)).astype(np.uint8)
+    return mxfp4(blocks, get(name + "_scales", (e, n_out, groups)).astype(np.uint8))
+
+
+FP4_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4(blocks_EOGB: np.ndarray, scales_EOG: np.ndarray) -> np.ndarray:
+    """MXFP4 [E, out, groups, 16] bytes (two 4-bit E2M1 values each, low nibble first) and [E, out, groups] power-of-two
+    scales (biased by 127) -> float32 [E, out, groups * 32]."""
+    values = np.stack(
+        [FP4_E2M1[blocks_EOGB & 0x0F], FP4_E2M1[blocks_EOGB >> 4]], axis=-1
+    )  # [E, O, G, 16, 2]
+    values = values.reshape(*blocks_EOGB.shape[:-1], -1)
+    scaled = np.ldexp(values, scales_EOG.astype(np.int32)[..., None] - 127)
+    return scaled.reshape(*scaled.shape[:-2], -1)
 
 
 # --- llama.c legacy (version 0) -----------------------------------------------------------------

@@ -167,7 +167,7 @@ def check_target(mesh: Mesh, cfg: LlamaConfig, batch: int) -> None:
     """Refuses a mesh on which the target's heads or hidden units, or the batch, do not divide."""
     n_data, n_model = mesh.shape["data"], mesh.shape["model"]
     check_divides("the target's kv heads", cfg.n_kv_heads, "model", n_model)
-    check_divides("the target's MLP hidden size", cfg.hidden_dim, "model", n_model)
+    check_divides("the target's MLP hidden size", cfg.expert_dim or cfg.hidden_dim, "model", n_model)
     check_divides("the batch", batch, "data", n_data, f"decode a multiple of {n_data} prompts per batch")
 
 

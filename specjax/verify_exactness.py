@@ -51,6 +51,26 @@ from specjax.sampling import Sampler, sample_probs
 from specjax.trees import parse_tree
 
 TINY = LlamaConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
+_GEMMA = dict(
+    norm_plus_one=True, activation="gelu_tanh", sandwich_norms=True, embed_scale=True, tie_embeddings=True
+)
+_WINDOW = dict(sliding_window=3, layer_types=("sliding", "full"))  # a window the checked sequences outgrow
+_EXPERTS = dict(n_experts=4, experts_per_token=2, expert_dim=24)
+# `--model=tiny-<family>`: TINY in each family's architecture (random weights, V = 8)
+TINY_FAMILIES = {
+    "qwen3": TINY.replace(family="qwen3", qk_norm=True),
+    "mistral": TINY.replace(family="mistral", sliding_window=3, layer_types=("sliding", "sliding")),
+    "gemma2": TINY.replace(family="gemma2", **_GEMMA, **_WINDOW, attn_scale=0.3, attn_softcap=20.0, final_softcap=30.0),
+    "gemma3_text": TINY.replace(
+        family="gemma3_text", **_GEMMA, **_WINDOW, qk_norm=True, local_rope_theta=1e4, rope_theta=1e6
+    ),
+    "mixtral": TINY.replace(family="mixtral", **_EXPERTS),
+    "qwen3_moe": TINY.replace(family="qwen3_moe", **_EXPERTS, qk_norm=True, router="softmax_topk"),
+    "gpt_oss": TINY.replace(
+        family="gpt_oss", **_EXPERTS, **_WINDOW, qkv_bias=True, o_bias=True, attn_sinks=True, router="topk_softmax",
+        expert_bias=True, swiglu_clamp=(1.702, 7.0), rope_yarn=(4.0, 32.0, 1.0, 16, False, 1.14),
+    ),
+}  # fmt: skip
 MAX_EXACT_PREFIXES = 4096  # enumerate the target's distribution when V^(tokens - 1) is at most this
 # rows decoded at once: memory stays bounded whatever --samples is (40,000 rows at once took 7.6 GB)
 ROWS_PER_CALL = 4096
@@ -123,11 +143,24 @@ class RowGroups:
 # --- targets and drafters -----------------------------------------------------------------------------
 
 
-def tiny_target(seed: int = 0) -> LoadedModel:
-    """A random `TINY` target whose LM head is scaled up 60x: next-token distributions far from uniform."""
-    graphdef, params = init_params(TINY, seed)
-    params["lm_head"]["weight"].set_value(params["lm_head"]["weight"][...] * 60)
-    return LoadedModel(TINY, graphdef, params, None, Path("tiny-random"))
+def tiny_target(seed: int = 0, cfg: LlamaConfig = TINY) -> LoadedModel:
+    """A random `TINY` target (or `cfg`, one of `TINY_FAMILIES`) whose LM head is scaled up 60x (a tied embedding 10x:
+    it also feeds the residual stream): next-token distributions far from uniform, yet not point masses."""
+    graphdef, params = init_params(cfg, seed)
+    head = params["embed"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["weight"]
+    head.set_value(head[...] * (10 if cfg.tie_embeddings else 60))
+    return LoadedModel(cfg, graphdef, params, None, Path("tiny-random"))
+
+
+def tiny_config(model: str) -> LlamaConfig | None:
+    """The config `--model` names if it is 'tiny' or 'tiny-<family>' (else None: a real model)."""
+    if model == "tiny":
+        return TINY
+    if model.startswith("tiny-"):
+        if model[5:] not in TINY_FAMILIES:
+            raise UsageError(f"--model={model} is unknown; tiny families are {', '.join(TINY_FAMILIES)}")
+        return TINY_FAMILIES[model[5:]]
+    return None
 
 
 def tiny_drafter(name: str, target: LoadedModel, k: int, tree, sampler: Sampler, seed: int = 0):
@@ -344,8 +377,9 @@ def verify(
     if tokens < 2:
         raise UsageError(f"--tokens must be >= 2 (the first comes from the prefill), got {tokens}")
     rules = [acceptance.get(r) if isinstance(r, str) else r for r in rules]
-    tiny = model == "tiny"
-    target = tiny_target(seed) if tiny else load_model(model)
+    tiny_cfg = tiny_config(model)
+    tiny = tiny_cfg is not None
+    target = tiny_target(seed, tiny_cfg) if tiny else load_model(model)
     cfg = target.cfg
     shape = parse_tree(tree)
     k = k if shape is None else shape.depth
@@ -466,7 +500,12 @@ def main(argv=None) -> int:
         "acceptance", [acceptance.DEFAULT], f"Rules to check: {sorted(acceptance.RULES)}.", flag_values=f
     )
     flags.DEFINE_string(
-        "model", "tiny", "'tiny' (random V=8 target, exact reference) or a model path/name.", flag_values=f
+        "model",
+        "tiny",
+        "'tiny' (random V=8 target, exact reference), 'tiny-<family>' (the same in a family's architecture: "
+        + ", ".join(TINY_FAMILIES)
+        + ") or a model path/name.",
+        flag_values=f,
     )
     flags.DEFINE_integer("k", 2, "Draft tokens per round (a tree sets it to its depth).", flag_values=f)
     flags.DEFINE_string(

@@ -24,6 +24,13 @@ CFG = LlamaConfig(
     vocab_size=97, dim=32, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=4, hidden_dim=64, max_seq_len=256
 )
 GRAPHDEF, PARAMS = init_params(CFG, seed=3)
+# gpt-oss's parts (routed experts with biases, sinks, sliding and full layers, YaRN) in the same shape
+MOE = CFG.replace(
+    family="gpt_oss", n_experts=4, experts_per_token=2, expert_dim=64, qkv_bias=True, o_bias=True, attn_sinks=True,
+    router="topk_softmax", expert_bias=True, swiglu_clamp=(1.702, 7.0), sliding_window=5,
+    layer_types=("sliding", "full"), rope_yarn=(4.0, 32.0, 1.0, 64, False, 1.14),
+)  # fmt: skip
+MOE_GRAPHDEF, MOE_PARAMS = init_params(MOE, seed=5)
 PROMPTS = [
     [1, 5, 9],
     [1],
@@ -36,26 +43,28 @@ PROMPTS = [
 ]
 
 
-def drafter(name: str, sampler):
+def drafter(name: str, sampler, target=(CFG, PARAMS)):
+    target_cfg, target_params = target
     if name == "draft_model":
-        cfg, graphdef, params = truncated_target(CFG, PARAMS, 1)
+        cfg, graphdef, params = truncated_target(target_cfg, target_params, 1)
         return DraftModel(cfg, graphdef, 3, sampler, None), params
     if name == "ngram":
         entry = registry.get("ngram")
         return entry.build(None, entry.settings(), 3, None, sampler)
     shape = {"num_heads": 3, "num_layers": 1} if name == "medusa" else {}
-    meta = heads.describe(name, shape, CFG)
-    graphdef, params = heads.new_heads(meta, CFG, PARAMS, seed=4)
-    return heads.make_drafter(meta, graphdef, CFG, 3, sampler), heads.drafter_params(
-        meta, params, CFG, PARAMS
+    meta = heads.describe(name, shape, target_cfg)
+    graphdef, params = heads.new_heads(meta, target_cfg, target_params, seed=4)
+    return heads.make_drafter(meta, graphdef, target_cfg, 3, sampler), heads.drafter_params(
+        meta, params, target_cfg, target_params
     )
 
 
-def decode(name: str, temperature: float, mesh):
+def decode(name: str, temperature: float, mesh, target=(CFG, GRAPHDEF, PARAMS)):
     sampler = Sampler(temperature)
     spec = GenerateSpec(24, sampler, eos_id=None)
-    d, dp = (None, None) if name == "ar" else drafter(name, sampler)
-    run, _ = compile_decode(CFG, GRAPHDEF, PARAMS, PROMPTS, spec, d, dp, mesh=mesh)
+    cfg, graphdef, params = target
+    d, dp = (None, None) if name == "ar" else drafter(name, sampler, (cfg, params))
+    run, _ = compile_decode(cfg, graphdef, params, PROMPTS, spec, d, dp, mesh=mesh)
     return np.asarray(run(PROMPTS, seed=7).tokens).tolist()
 
 
@@ -212,5 +221,12 @@ for name in ("draft_model", "medusa", "eagle", "ngram"):
 for name, temperature, label in runs:
     mesh = None if label == "1" else sharding.make_mesh(*map(int, label.split("x")))
     out["runs"][f"{name} T={temperature:g} {label}"] = decode(name, temperature, mesh)
+# the mixture of experts: AR and EAGLE greedy on 2x4 against AR on one device, EAGLE sampled on 2x4 and on one
+moe = (MOE, MOE_GRAPHDEF, MOE_PARAMS)
+for name, temperature, label in [("ar", 0.0, "1"), ("ar", 0.0, "2x4"), ("eagle", 0.0, "2x4")] + [
+    ("eagle", 1.0, m) for m in ("1", "2x4")
+]:
+    mesh = None if label == "1" else sharding.make_mesh(*map(int, label.split("x")))
+    out["runs"][f"moe {name} T={temperature:g} {label}"] = decode(name, temperature, mesh, moe)
 out["program"] = program_ops(sharding.make_mesh(2, 4))
 print(json.dumps(out))

@@ -50,6 +50,15 @@ def test_meshes_decode_like_one_device(sharded_runs, name):
     assert runs[f"{name} T=1 1"] != runs["ar T=0 1"]
 
 
+def test_mixture_of_experts_on_a_mesh_decodes_like_one_device(sharded_runs):
+    """gpt-oss's parts (experts split over `model`, sinks, windows): AR and greedy EAGLE on 2x4 give AR's tokens
+    on one device; sampled EAGLE the same tokens on both."""
+    runs = sharded_runs["runs"]
+    assert runs["moe ar T=0 2x4"] == runs["moe ar T=0 1"] == runs["moe eagle T=0 2x4"]
+    assert len({tuple(row) for row in runs["moe ar T=0 1"]}) > 4
+    assert runs["moe eagle T=1 2x4"] == runs["moe eagle T=1 1"] != runs["moe ar T=0 1"]
+
+
 def test_compiled_loop_is_split_without_host_transfers(sharded_runs):
     program = sharded_runs["program"]
     assert program["collectives"] > 0  # the target really is split over the mesh

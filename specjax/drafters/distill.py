@@ -70,7 +70,8 @@ class DistillTraining:
 
 def draft_config(shape: dict, target_cfg: LlamaConfig) -> LlamaConfig:
     """The draft's architecture: the target's family, vocabulary and context with the shape's sizes."""
-    return target_cfg.replace(**{k: shape[k] for k in SHAPE}, head_dim=shape["dim"] // shape["n_heads"])
+    small = target_cfg.select_layers(range(shape["n_layers"]))  # the target's first layers' attention types
+    return small.replace(**{k: shape[k] for k in SHAPE}, head_dim=shape["dim"] // shape["n_heads"])
 
 
 def sizes(h) -> dict:

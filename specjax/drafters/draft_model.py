@@ -71,14 +71,15 @@ class DraftModel(KOrTree):
         return self.shape.keep_path(cache, path_BD, n_accepted_B)
 
 
-def truncated_target(cfg: LlamaConfig, params, n_layers: int):
-    """(cfg, graphdef, params) of the target's first `n_layers` blocks with its embedding, final norm and
-    head: a draft model that needs no training."""
+def truncated_target(cfg: LlamaConfig, params, n_layers: int, layers: tuple[int, ...] = ()):
+    """(cfg, graphdef, params) of the target's first `n_layers` blocks (or of its `layers`, in order) with its
+    embedding, final norm and head: a draft model that needs no training."""
     if not 1 <= n_layers <= cfg.n_layers:
         raise DrafterError(f"a truncated draft needs 1..{cfg.n_layers} layers, got {n_layers}")
+    layers = layers or tuple(range(n_layers))
     pure = nnx.to_pure_dict(params)
-    pure["layers"] = {i: pure["layers"][i] for i in range(n_layers)}
-    small = cfg.replace(n_layers=n_layers)
+    pure["layers"] = {i: pure["layers"][layer] for i, layer in enumerate(layers)}
+    small = cfg.select_layers(layers)
     return (small, *build_params(small, pure))
 
 

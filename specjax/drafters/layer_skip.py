@@ -33,7 +33,6 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specjax.analysis import expected_speedup, optimal_k
 from specjax.decoding import GenerateSpec, generate
@@ -126,9 +125,7 @@ def format_layers(layers: tuple[int, ...]) -> str:
 def skip_model(cfg: LlamaConfig, params, layers: tuple[int, ...]):
     """(cfg, graphdef, params) of the target run through `layers` only: its layer i is the target's layer
     `layers[i]`; every parameter array is the target's own (no copy)."""
-    pure = nnx.to_pure_dict(params)
-    pure["layers"] = {i: pure["layers"][layer] for i, layer in enumerate(layers)}
-    return truncated_target(cfg, nnx.State(pure), len(layers))
+    return truncated_target(cfg, params, len(layers), layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,13 @@ SUPPORTED_MODEL_TYPES = (
 )  # fmt: skip
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
 ROUTERS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
 
 
@@ -123,6 +130,12 @@ class LlamaConfig:
         return self.replace(
             n_layers=n_layers, **{k: v for k, v in FAMILY_DEFAULTS.items() if k not in HEAD_KEEPS}
         )
+
+    def select_layers(self, layers) -> LlamaConfig:
+        """The model made of these of its layers, in this order (each keeps its attention type; an index past the
+        last layer repeats the pattern)."""
+        types = tuple(self.layer_types[i % self.n_layers] for i in layers) if self.layer_types else ()
+        return self.replace(n_layers=len(layers), layer_types=types)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every earlier position)."""
@@ -272,6 +285,13 @@ def parse_hf(hf: dict, dtype: str) -> LlamaConfig:
         raise ConfigError(
             f"model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    missing = [key for key in REQUIRED_HF_KEYS if hf.get(key) is None]
+    if (
+        missing and model_type != "gemma3"
+    ):  # transformers would fill in its defaults: a silently other model
+        raise KeyError(
+            missing[0]
+        )  # (Gemma 3's multimodal configs leave the released sizes to those defaults)
     hf = normalized_hf(hf)
     family = hf["model_type"]
     gemma, moe = family.startswith("gemma"), family in ("mixtral", "qwen3_moe", "gpt_oss")

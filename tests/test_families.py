@@ -70,6 +70,7 @@ FAMILIES = {
     "gpt_oss": (
         dict(
             WINDOW,
+            intermediate_size=64,  # MXFP4 packs 32 values a group
             num_local_experts=8,
             num_experts_per_tok=2,
             rope_parameters=YARN | {"original_max_position_embeddings": 16, "rope_theta": 150000.0},
@@ -83,7 +84,7 @@ SEQ = 12
 def reference(family: str, tmp_path):
     """A random transformers model of the family (norms, biases and sinks perturbed), saved and read back."""
     torch.manual_seed(len(family))
-    hf_cfg = transformers.AutoConfig.for_model(family, **BASE, **FAMILIES[family][0])
+    hf_cfg = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family][0]})
     hf_cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
     with torch.no_grad():
@@ -280,3 +281,27 @@ def test_heads_train_and_decode_on_a_mixture_of_experts(method, moe_target, tmp_
     ar = generate(cfg, graphdef, params, prompts, spec).tokens
     spec_tokens = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec).tokens
     np.testing.assert_array_equal(spec_tokens, ar)
+
+
+def test_gpt_oss_mxfp4_experts_load_like_their_dequantised_values(tmp_path):
+    """gpt-oss checkpoints store the experts' matrices as MXFP4 blocks and scales: loading them gives the same
+    parameters as loading the dequantised matrices."""
+    _, cfg, _ = reference("gpt_oss", tmp_path)
+    tensors = dict(read_safetensors(tmp_path).items())
+    rng = np.random.default_rng(2)
+    quantised = dict(tensors)
+    for name, (n_out, n_in) in {
+        "gate_up_proj": (2 * cfg.expert_dim, cfg.dim),
+        "down_proj": (cfg.dim, cfg.expert_dim),
+    }.items():
+        for i in range(cfg.n_layers):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            blocks = rng.integers(0, 256, (cfg.n_experts, n_out, n_in // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 128, (cfg.n_experts, n_out, n_in // 32), dtype=np.uint8)
+            del quantised[key]
+            quantised[key + "_blocks"], quantised[key + "_scales"] = blocks, scales
+            tensors[key] = mxfp4(blocks, scales).transpose(0, 2, 1)  # stored [E, in, out]
+    _, from_blocks = params_from_hf(cfg, quantised)
+    _, from_floats = params_from_hf(cfg, tensors)
+    for a, b in zip(jax.tree.leaves(from_blocks), jax.tree.leaves(from_floats), strict=True):
+        np.testing.assert_array_equal(a, b)

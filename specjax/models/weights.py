@@ -259,6 +259,10 @@ def stacked_experts(get: Callable, has: Callable, name: str, shape: tuple) -> np
     e, n_out, n_in = shape
     if not has(name + "_blocks"):
         return get(name, (e, n_in, n_out)).transpose(0, 2, 1)
+    if n_in % 32:
+        raise CheckpointError(
+            f"MXFP4 tensor {name!r} packs rows of {n_in}, not a multiple of its 32-value groups"
+        )
     groups = n_in // 32
     blocks = get(name + "_blocks", (e, n_out, groups, 16)).astype(np.uint8)
     return mxfp4(blocks, get(name + "_scales", (e, n_out, groups)).astype(np.uint8))

@@ -21,18 +21,31 @@ from specjax.models.llama import init_params
 
 flags.DEFINE_integer("repeats", 7, "Timed runs per model (median reported).")
 flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
-flags.DEFINE_integer("experts", 8, "Routed experts per layer.")
-flags.DEFINE_integer("experts_per_token", 2, "Experts a token runs.")
+flags.DEFINE_list(
+    "moe", ["8x2", "32x4"], "MoE shapes EXPERTSxPICKS (routed experts per layer x experts a token runs)."
+)
 FLAGS = flags.FLAGS
 PROMPT = [1, *range(300, 308)]
 
 
-def configs() -> dict[str, LlamaConfig]:
-    """The MoE and its dense twin (same attention, same active MLP bytes)."""
-    e, k, f = FLAGS.experts, FLAGS.experts_per_token, 2048
-    base = LlamaConfig(vocab_size=4096, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, hidden_dim=k * f)
-    moe = base.replace(family="mixtral", n_experts=e, experts_per_token=k, expert_dim=f)
-    return {"dense": base, f"moe {e}x{k}": moe}
+def configs() -> list[tuple[str, LlamaConfig, str]]:
+    """(name, config, its dense twin's name): each MoE after its twin (same attention, same active MLP bytes)."""
+    out, f = [], 2048
+    for shape in FLAGS.moe:
+        e, k = map(int, shape.split("x"))
+        dense = LlamaConfig(
+            vocab_size=4096, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, hidden_dim=k * f
+        )
+        twin = f"dense, hidden {k * f}"
+        out.append((twin, dense, twin))
+        out.append(
+            (
+                f"moe {e}x{k}",
+                dense.replace(family="mixtral", n_experts=e, experts_per_token=k, expert_dim=f),
+                twin,
+            )
+        )
+    return out
 
 
 def main(argv):
@@ -41,14 +54,14 @@ def main(argv):
     bandwidth = read_bandwidth_gbs()
     n = FLAGS.new_tokens
     spec = harness.generate_spec(n, eos_id=None)
-    runs, compile_s, cfgs = {}, {}, configs()
-    for name, cfg in cfgs.items():
+    runs, compile_s = {}, {}
+    for name, cfg, _ in configs():
         graphdef, params = init_params(cfg, seed=0)
         run, compile_s[name] = compile_decode(cfg, graphdef, params, [PROMPT], spec)
         runs[name] = lambda run=run: run([PROMPT]).tokens.block_until_ready()
     times = interleaved_medians(runs, FLAGS.repeats)
     rows = []
-    for name, cfg in cfgs.items():
+    for name, cfg, twin in configs():
         slots = -(-(len(PROMPT) + n) // 64) * 64
         cache = 2 * cfg.n_layers * slots * cfg.n_kv_heads * cfg.head_dim * 4
         ms = 1e3 * times[name] / n
@@ -60,7 +73,7 @@ def main(argv):
                 "active": f"{cfg.active_params / 1e6:.1f}M",
                 "compile s": compile_s[name],
                 "ms/token": ms,
-                "vs dense": ms / (1e3 * times["dense"] / n),
+                "vs dense twin": times[name] / times[twin],
                 "floor ms": floor,
                 "of floor": floor / ms,
                 "all-experts floor ms": 1e3 * (cfg.num_params * 4 + cache) / (bandwidth * 1e9),

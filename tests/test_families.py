@@ -220,10 +220,11 @@ def test_speculative_decoding_is_exact_on_the_family(family, drafter, tree):
     assert report.greedy_identical
 
 
-@pytest.mark.parametrize("family", sorted(verify_exactness.TINY_FAMILIES))
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "mixtral", "qwen3"])  # the others: the test above
 def test_greedy_speculation_equals_greedy_decoding(family):
-    """On every family, a draft model's chain and an EAGLE-3 head's dynamic tree (windows the sequences outgrow,
-    rollback and `compact` across them) reproduce greedy decoding token for token."""
+    """On the families the sampled checks above leave out, a draft model's chain and an EAGLE-3 head's dynamic tree
+    (windows the sequences outgrow, rollback and `compact` across them) reproduce greedy decoding token for
+    token."""
     target = verify_exactness.tiny_target(0, verify_exactness.TINY_FAMILIES[family])
     rule = [acceptance.get("tokenwise")]
     for drafter, tree in (("draft_model", None), ("eagle3", parse_tree("dynamic:2,3,5"))):

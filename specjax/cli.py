@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging as std_logging
 import math
 import os
 import sys
@@ -131,9 +132,20 @@ def run(
 ) -> None:
     """absl's `app.run(main)` with specjax's error handling (see `guarded` and `parse_flags`); may be called
     again in one process (the flags are parsed afresh)."""
+    probes = std_logging.getLogger("jax._src.xla_bridge")
+    if not_a_backend_probe not in probes.filters:
+        probes.addFilter(not_a_backend_probe)
     app.run(
         guarded(main, errors, status, positional),
         flags_parser=functools.partial(parse_flags, status=status, check=check),
+    )
+
+
+def not_a_backend_probe(record: std_logging.LogRecord) -> bool:
+    """False for JAX's note that a backend it probes for is missing ("Unable to initialize backend 'tpu'", logged
+    at INFO on every machine without one): start-up noise in what a user reads. Its warnings and errors pass."""
+    return record.levelno > std_logging.INFO or not record.getMessage().startswith(
+        "Unable to initialize backend"
     )
 
 

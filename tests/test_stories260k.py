@@ -79,3 +79,20 @@ def test_transformers_missing_torch_notice_is_dropped_and_other_messages_pass(st
     finally:
         library.removeHandler(handler)
     assert [r.getMessage() for r in seen] == ["a real warning"]
+
+
+def test_jax_backend_probe_note_is_dropped_and_its_warnings_pass():
+    """The CLIs drop JAX's INFO note that a backend it probed for is missing ("Unable to initialize backend 'tpu'"),
+    and keep that logger's warnings and its other notes."""
+    import logging
+
+    from specjax.cli import not_a_backend_probe
+
+    record = lambda level, text: logging.LogRecord(
+        "jax._src.xla_bridge", level, __file__, 1, text, None, None
+    )
+    assert not not_a_backend_probe(
+        record(logging.INFO, "Unable to initialize backend 'tpu': INTERNAL: ...")
+    )
+    assert not_a_backend_probe(record(logging.WARNING, "Unable to initialize backend 'cuda': ..."))
+    assert not_a_backend_probe(record(logging.INFO, "another note"))

@@ -14,11 +14,12 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from specjax import acceptance, cli, precision, sharding
+from specjax import acceptance, cli, pair, precision, sharding
 from specjax.decoding import AdaptiveK, GenerateSpec
 from specjax.drafters import registry
+from specjax.heads import resolve_heads
 from specjax.metrics import speedup, summarize
-from specjax.models.loading import load_model
+from specjax.models.loading import DEFAULT_MODEL, load_model
 from specjax.models.quantize import parse_quantization, quantize_loaded
 from specjax.runner import decode_texts
 from specjax.trees import parse_tree
@@ -162,15 +163,18 @@ def make_drafter(target, sampler, plan):
     return entry.build(target, settings, k, tree, sampler)
 
 
-def config_only(name: str):
-    """The model's config read without its weights (a specjax checkpoint or a Hugging Face directory), else None."""
-    from specjax import checkpoint
-    from specjax.models.loading import read_hf_config, resolve
-
-    path = resolve(name)
-    if (path / checkpoint.MARKER).exists():
-        return checkpoint.read_config(path)
-    return read_hf_config(path / "config.json") if (path / "config.json").is_file() else None
+def check_pair(plan, cfg, tokenizer) -> None:
+    """Refuses a --draft_model or --heads that does not fit the target (`specjax.pair`), before anything compiles;
+    a drafter made from the target or the default heads is left to its builder."""
+    settings = plan and plan[1]
+    if getattr(settings, "draft_model", None):
+        draft = pair.read_draft(settings.draft_model)
+    elif getattr(settings, "heads", None):
+        draft = pair.read_draft(resolve_heads(settings.heads), model=False)
+    else:
+        return
+    if draft is not None:
+        pair.check_pair(cfg, tokenizer, draft, FLAGS.model or DEFAULT_MODEL)
 
 
 def adaptive_k() -> AdaptiveK | None:
@@ -189,11 +193,18 @@ def main(argv):
     rule = acceptance.get(FLAGS.acceptance)
     plan = drafter_plan()
     quant = parse_quantization(FLAGS.quantize)
-    if quant is not None and (cfg := config_only(FLAGS.model)) is not None:
-        quant.check(cfg)  # before the weights are read
+    target = pair.read_model(
+        FLAGS.model, weights=False
+    )  # config and tokenizer, before the weights are read
+    if target is not None:
+        check_pair(plan, target.cfg, target.tokenizer)
+        if quant is not None:
+            quant.check(target.cfg)
     cli.join_processes()
     mesh = sharding.make_mesh(*sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
     model = load_model(FLAGS.model, FLAGS.dtype, mesh)
+    if target is None:
+        check_pair(plan, model.cfg, model.tokenizer)
     if quant is not None:
         quant.check(model.cfg)
     spec = GenerateSpec(

@@ -50,6 +50,11 @@ class DrafterError(SpecjaxError, ValueError):
     """A drafter that cannot serve this target or these settings (unknown name, draft length, tree, adaptive K)."""
 
 
+class PairError(DrafterError):
+    """A draft that does not fit the target (`specjax.pair`): vocabulary, tokenizer, hidden size, the target layers
+    a head reads, or a family specjax does not run; the message names both sides' values."""
+
+
 class TreeError(DrafterError):
     """An invalid tree specification; the message names the offending path."""
 

@@ -34,7 +34,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import files, heads, precision, sharding
+from specjax import files, heads, pair, precision, sharding
 from specjax.drafters import registry
 from specjax.errors import NonFiniteLossError
 from specjax.models.conversion import converted
@@ -259,6 +259,8 @@ def _train(config, workdir: Path, stop_at: int | None, stop: threading.Event | N
     target, tokenizer = load_target(config, mesh)
     cfg, _, target_params = target
     registry.trained(config.method).check(config.heads, cfg)  # before anything is written
+    if (workdir / heads.META).is_file():  # a resumed run: its heads were trained for a target that fits
+        pair.check_pair(cfg, tokenizer, workdir, config.target)
     d = config.data
     if d.seq_len > cfg.max_seq_len:
         raise TrainingConfigError(

@@ -67,6 +67,7 @@ bench-memory: $(VENV)/.base
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
 	for m in medusa eagle eagle3 dflash; do \
+	  echo "== heads: training $$m (then the one-layer DFlash, parallel EAGLE-3 and the distilled draft)" && \
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done

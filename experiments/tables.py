@@ -751,10 +751,16 @@ def main(argv):
             ("suffix", suffix),
         )
     }
-    for name in FLAGS.sections:
+    began = time.perf_counter()
+    for i, name in enumerate(FLAGS.sections, 1):
+        print(f"[{i}/{len(FLAGS.sections)}] {name} ...", flush=True)
         start = time.perf_counter()
         run[name]()
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+        done = time.perf_counter()
+        print(
+            f"[{i}/{len(FLAGS.sections)}] {name}: {done - start:.0f} s ({done - began:.0f} s in all)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

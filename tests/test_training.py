@@ -280,3 +280,16 @@ def test_clear_errors(target_dir, tmp_path, stories):
             f.write_bytes(f.read_bytes()[:10])
     with pytest.raises(CheckpointError, match="cannot restore head parameters of step 2000 .* corrupt"):
         heads.load_heads(damaged, stories.cfg, stories.params)
+
+
+def test_progress_line_says_step_of_total_and_time_left(tmp_path):
+    """A log line starts with the step out of the run's total and the time left at this run's pace so far: 10 of
+    100 steps in 50 s leave about 7.5 minutes."""
+    logger = trainer.Logger(tmp_path, step=0, end=100)
+    try:
+        logger.start -= 50.0
+        assert logger.where(10) == "step 10/100 (10%), about 07:30 left"
+        logger.start, logger.first = logger.start - 3600.0, 0  # past an hour: hours shown
+        assert logger.where(10).endswith("about 09:07:30 left")
+    finally:
+        logger.close()

@@ -164,18 +164,38 @@ def trim_metrics(path: Path, step: int) -> None:
 
 
 class Logger:
-    """One progress line per log step, plus `metrics.jsonl` (trimmed to the step the run starts from) and
+    """One line per log step (step N/M, tokens/s, time left, the metrics), a short progress line between them
+    at most every PROGRESS_S seconds, plus `metrics.jsonl` (trimmed to the step the run starts from) and
     TensorBoard scalars."""
 
-    def __init__(self, workdir: Path, step: int = 0):
+    PROGRESS_S = 15.0
+
+    def __init__(self, workdir: Path, step: int = 0, end: int = 0):
         from tensorboardX import SummaryWriter
 
         trim_metrics(workdir / "metrics.jsonl", step)
         self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed by close())
         self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        self.first, self.end = step, end
+        self.start = self.shown = time.perf_counter()
+
+    def where(self, step: int) -> str:
+        """'step N/M (P%), about H:MM:SS left' from the pace of this run so far."""
+        now = time.perf_counter()
+        left = (self.end - step) * (now - self.start) / max(step - self.first, 1)
+        self.shown = now
+        clock = time.strftime("%H:%M:%S", time.gmtime(left)).removeprefix("00:")
+        return f"step {step}/{self.end} ({100 * step // max(self.end, 1)}%), about {clock} left"
+
+    def progress(self, step: int) -> None:
+        """The short line, if PROGRESS_S have passed since the last line."""
+        if time.perf_counter() - self.shown >= self.PROGRESS_S:
+            logging.info("%s", self.where(step))
 
     def __call__(self, step: int, metrics: dict) -> None:
-        logging.info("step %d  %s", step, "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        rate = metrics.get("tokens_per_s", 0.0)
+        others = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "tokens_per_s")
+        logging.info("%s, %.4g tokens/s  %s", self.where(step), rate, others)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         for k, v in metrics.items():
@@ -380,8 +400,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
             ),
         )
 
-    logger = Logger(workdir, step) if sharding.is_main() else None  # process 0 logs
     last, end = {}, min(t.steps, stop_at or t.steps)
+    logger = Logger(workdir, step, end) if sharding.is_main() else None  # process 0 logs
     stop = stop or threading.Event()  # never set: run to the end
     window_start, window_tokens = time.perf_counter(), 0
     try:
@@ -410,6 +430,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
                 if logger:
                     logger(step, last)
                 window_start, window_tokens = time.perf_counter(), 0
+            elif logger:
+                logger.progress(step)
             if step % t.checkpoint_every == 0:
                 save()
     finally:  # finished or interrupted (Ctrl-C included): keep the last step, if its parameters are finite

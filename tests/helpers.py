@@ -127,3 +127,26 @@ def run_processes(args: list[str], n: int = 2, devices: int = 4) -> list[str]:
     for i, (p, (_, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i}: {err[-3000:]}"
     return [out for out, _ in outs]
+
+
+def assert_cached_steps_match(cfg, graphdef, params, tokens_BT, expected_BTV, depth: int) -> None:
+    """Decoding `tokens_BT` one token at a time through the KV cache gives the `expected_BTV` logits at every step,
+    to float32 rounding over `depth` stages at the logits' magnitude."""
+    import jax.numpy as jnp
+    from tolerance import assert_close
+
+    from specjax.models.llama import causal_mask, forward, init_cache
+
+    b, t = tokens_BT.shape
+    cache, magnitude = init_cache(cfg, b, t + 4), np.abs(expected_BTV).max()
+    for i in range(t):
+        step, _, cache = forward(
+            graphdef,
+            params,
+            jnp.asarray(tokens_BT[:, i : i + 1]),
+            jnp.full((b, 1), i),
+            cache,
+            causal_mask(1),
+        )
+        cache = cache.advance(1)
+        assert_close(step[:, 0], expected_BTV[:, i], dtype=jnp.float32, depth=depth, magnitude=magnitude)

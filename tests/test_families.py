@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from helpers import assert_cached_steps_match
 from tolerance import assert_close, assert_far, forward_depth
 
 from specjax import acceptance, checkpoint, verify_exactness
@@ -126,22 +127,8 @@ def test_logits_match_transformers(family, tmp_path):
     )[0]
     assert_close(logits, expected, dtype=jnp.float32, depth=depth)
 
-    cache = init_cache(
-        cfg, 2, 16
-    )  # step by step: a batch of 2 single-token rows (the experts' routed path)
-    for t in range(SEQ):
-        step, _, cache = forward(
-            graphdef,
-            params,
-            jnp.asarray(tokens[:, t : t + 1]),
-            positions[:, t : t + 1],
-            cache,
-            causal_mask(1),
-        )
-        cache = cache.advance(1)
-        assert_close(
-            step[:, 0], expected[:, t], dtype=jnp.float32, depth=depth, magnitude=np.abs(expected).max()
-        )
+    # step by step: a batch of 2 single-token rows (the experts' routed path)
+    assert_cached_steps_match(cfg, graphdef, params, tokens, expected, depth)
 
     changed, control = without(cfg, params, **FAMILIES[family][1])
     off = forward(

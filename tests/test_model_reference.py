@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from helpers import assert_cached_steps_match
 from tolerance import assert_close, forward_depth
 
 from specjax import precision
@@ -107,20 +108,9 @@ def test_logits_match_transformers(name, tmp_path):
     depth = forward_depth(cfg.n_layers)  # PyTorch's float32 kernels round in another order than XLA's
     assert_close(logits, expected, dtype=jnp.float32, depth=depth)
 
-    cache = init_cache(cfg, 2, 16)  # step by step through the cache
-    for t in range(SEQ):
-        step, _, cache = forward(
-            graphdef,
-            params,
-            jnp.asarray(tokens[:, t : t + 1]),
-            positions[:, t : t + 1],
-            cache,
-            causal_mask(1),
-        )
-        cache = cache.advance(1)
-        assert_close(
-            step[:, 0], expected[:, t], dtype=jnp.float32, depth=depth, magnitude=np.abs(expected).max()
-        )
+    assert_cached_steps_match(
+        cfg, graphdef, params, tokens, expected, depth
+    )  # step by step through the cache
 
 
 def test_hidden_taps_match_transformers(tmp_path):

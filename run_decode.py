@@ -4,7 +4,9 @@ python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperat
 python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
 python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
 
-A user error ends with one line `error: ...` (exit status 1), checked before the model loads where it can be;
+A --draft_model or --heads that does not fit the target is refused before the target's weights are read
+(`python -m specjax.pair` checks a pair alone). A user error ends with one line `error: ...` (exit status 1),
+checked before the model loads where it can be;
 SPECJAX_DEBUG=1 shows the traceback. A temperature below 1e-5 decodes greedily, with a warning.
 """
 

@@ -286,12 +286,12 @@ def parse_hf(hf: dict, dtype: str) -> LlamaConfig:
             f"model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     missing = [key for key in REQUIRED_HF_KEYS if hf.get(key) is None]
-    if (
-        missing and model_type != "gemma3"
-    ):  # transformers would fill in its defaults: a silently other model
-        raise KeyError(
-            missing[0]
-        )  # (Gemma 3's multimodal configs leave the released sizes to those defaults)
+    # a default would be another model (Gemma 3's multimodal configs do leave the released sizes to defaults)
+    if missing and model_type != "gemma3":
+        raise ConfigError(
+            f"config.json lacks {missing[0]!r}, which the decoder needs (a default would be a silently different "
+            "model); download the model's config.json again"
+        )
     hf = normalized_hf(hf)
     family = hf["model_type"]
     gemma, moe = family.startswith("gemma"), family in ("mixtral", "qwen3_moe", "gpt_oss")

@@ -19,10 +19,12 @@ $(VENV)/.base: pyproject.toml | $(PY)
 
 # the test extras hold the base install: a fresh machine installs once
 # (and z-lab's DFlash reference, for tests/test_dflash_reference.py, without its dependencies: its model needs only
-# torch and transformers; its pinned requests/tqdm and datasets serve its benchmark)
+# torch and transformers; its pinned requests/tqdm and datasets serve its benchmark; and vLLM's speculators library,
+# for tests/test_speculators_format.py, without its dependencies: it pins transformers<=5.19 and asks for torchvision,
+# torchaudio and a data-generation stack; the test extras hold the modules it imports)
 $(VENV)/.test: pyproject.toml | $(PY)
 	$(INSTALL) -e '.[test]'
-	$(INSTALL) --no-deps dflash==0.1.0
+	$(INSTALL) --no-deps dflash==0.1.0 speculators==0.9.0
 	$(COMPILE)
 	touch $(VENV)/.base $@
 

@@ -56,8 +56,8 @@ class HeadsSettings:
     heads: str | None = None
     HELP = {
         "heads": "Trained heads: the --workdir of a train_heads.py run or an export of one, or a head published "
-        "by the EAGLE-3 / Medusa / DFlash (z-lab) authors (a directory or a Hugging Face hub id; default: "
-        "heads/stories260K_<drafter>)."
+        "by the EAGLE-3 / Medusa / DFlash (z-lab) authors or in vLLM's speculators format (a directory or a Hugging "
+        "Face hub id; default: heads/stories260K_<drafter>)."
     }
 
 
@@ -82,7 +82,8 @@ def resolve_heads(source: str) -> Path:
 def heads_builder(method: str):
     """The registry builder of a trained-head drafter: loads `settings.heads` (default: the committed
     stories260K heads; a directory with config.json and no heads.json is read as a published head,
-    `specjax.published`) for the target and checks they are `method` heads."""
+    `specjax.published`, or a speculators checkpoint, `specjax.speculators_format`) for the target and checks they
+    are `method` heads."""
 
     def build(target, settings: HeadsSettings, k: int, tree, sampler):
         workdir = resolve_heads(settings.heads or str(COMMITTED / f"stories260K_{method}"))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from specjax import heads, published
+from specjax import heads, published, speculators_format
 from specjax.drafters import registry
 from specjax.drafters.base import target_signature
 from specjax.errors import CheckpointError, HeadsError, PairError, SpecjaxError
@@ -255,6 +255,8 @@ def read_draft(source: str | Path, model: bool = True) -> Draft | None:
     path = Path(source)
     if (path / heads.META).is_file():
         return HeadsDraft(path.absolute(), heads.read_meta(path))
+    if speculators_format.holds(path):  # vLLM's speculators format: checked as its published layout
+        return PublishedDraft(path.absolute(), *speculators_format.published_config(path))
     if (path / "config.json").is_file():
         method = published_method(path)
         if method is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax import files, published
+from specjax import files, published, speculators_format
 from specjax.drafters import registry
 from specjax.drafters.base import target_signature
 from specjax.errors import HeadsError
@@ -79,6 +79,14 @@ def resolve_heads(source: str) -> Path:
         ) from err
 
 
+def load_external(path, method: str, target_cfg: LlamaConfig, target_params):
+    """(meta, graphdef, params) of `method` heads written elsewhere: in vLLM's speculators format
+    (`specjax.speculators_format`) or in their authors' layout (`specjax.published`)."""
+    if speculators_format.holds(Path(path)):
+        return speculators_format.load(Path(path), method, target_cfg, target_params)
+    return published.load_published(path, method, target_cfg, target_params)
+
+
 def heads_builder(method: str):
     """The registry builder of a trained-head drafter: loads `settings.heads` (default: the committed
     stories260K heads; a directory with config.json and no heads.json is read as a published head,
@@ -88,7 +96,7 @@ def heads_builder(method: str):
     def build(target, settings: HeadsSettings, k: int, tree, sampler):
         workdir = resolve_heads(settings.heads or str(COMMITTED / f"stories260K_{method}"))
         if (workdir / "config.json").is_file() and not (workdir / META).exists():
-            loaded = published.load_published(workdir, method, target.cfg, target.params)
+            loaded = load_external(workdir, method, target.cfg, target.params)
         else:
             loaded = load_heads(workdir, target.cfg, target.params)
         meta, graphdef, params = loaded

@@ -70,15 +70,11 @@ def _read_dir(path: Path, method: str) -> tuple[dict, dict, Path]:
 
 def load_published(path: str | Path, method: str, target_cfg: LlamaConfig, target_params):
     """(meta, graphdef, params) of a published `method` head (e.g. "eagle3", "eagle" for EAGLE-1/2, "medusa") for
-    the target, as `specjax.heads.load_heads` returns them; a directory in vLLM's speculators format (config.json
-    with a `speculators_config`) is read by `specjax.speculators_format`."""
-    from specjax import speculators_format  # (it reads through this module)
-
+    the target, as `specjax.heads.load_heads` returns them (either this or vLLM's speculators format:
+    `specjax.heads.load_external`)."""
     path = Path(path).absolute()
     if method not in layouts():
         raise HeadsError(f"unknown published head method {method!r}; use one of {sorted(layouts())}")
-    if speculators_format.holds(path):  # vLLM's speculators format: translated to the method's layout
-        return speculators_format.load(path, method, target_cfg, target_params)
     config, tensors, where = _read_dir(path, method)
     return layouts()[method].load(config, tensors, where, target_cfg, target_params)
 

@@ -26,10 +26,10 @@ LAYERS = [
     ("decoding", "specjax.decoding."),
     ("data and CLI", "specjax.cli specjax.training.chat specjax.training.regenerate specjax.training.data "
      "specjax.training.losses specjax.training.divergences specjax.training.config specjax.datastore"),
-    ("trained-head formats", "specjax.published specjax.heads"),
+    ("trained-head formats", "specjax.published specjax.speculators_format specjax.heads"),
     ("drafters", "specjax.drafters."),
     ("tools", "specjax.models.expand specjax.training. specjax.runner specjax.verify_exactness specjax.checkpoint "
-     "specjax.convert"),
+     "specjax.convert specjax.pair"),
 ]  # fmt: skip
 
 

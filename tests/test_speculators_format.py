@@ -152,7 +152,7 @@ def test_trained_head_exports_to_the_library(stories, tmp_path):
     got = specjax_eagle3_logits(meta, graphdef, params, stories.cfg, stories.params, tokens, taps)
     assert_close(got, want, dtype=jnp.float32, depth=HEAD_DEPTH)
 
-    loaded_meta, _, loaded = published.load_published(dest, "eagle3", stories.cfg, stories.params)
+    loaded_meta, _, loaded = heads.load_external(dest, "eagle3", stories.cfg, stories.params)
     assert loaded_meta == meta
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
     speculators_format.export(
@@ -241,7 +241,7 @@ def test_dflash_head_exports_to_the_library(tiny_verifier, tmp_path):
     # the fusion and its norm, two draft layers, the LM head
     assert_close(got, want, dtype=jnp.float32, depth=2 + forward_depth(2))
 
-    loaded_meta, _, loaded = published.load_published(dest, "dflash", TINY, TARGET[1])
+    loaded_meta, _, loaded = heads.load_external(dest, "dflash", TINY, TARGET[1])
     assert loaded_meta == meta
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
@@ -286,7 +286,7 @@ def test_library_checkpoint_loads_and_decodes(tiny_verifier, tmp_path):
     `--heads` decodes exactly (greedy speculative = greedy AR)."""
     model = library_eagle3(tiny_verifier)
     model.save_pretrained(str(tmp_path / "lib"))
-    meta, graphdef, params = published.load_published(tmp_path / "lib", "eagle3", TINY, TARGET[1])
+    meta, graphdef, params = heads.load_external(tmp_path / "lib", "eagle3", TINY, TARGET[1])
     assert meta["shape"] == {"layers": [1, 0], "draft_ids": DRAFT}
     tokens, taps = inputs(TINY, 2, 4)
     want = library_eagle3_logits(model, tokens, taps)
@@ -325,8 +325,8 @@ def test_library_conversions_load_as_the_originals(tiny_verifier, tmp_path):
     zlab = published.export_published(dmeta, dparams, tmp_path / "zlab", TINY)
     DFlashConverter().convert(zlab, tmp_path / "dflash_spec", str(tiny_verifier), validate=False)
     for method, src, converted in [("eagle3", original, "eagle3_spec"), ("dflash", zlab, "dflash_spec")]:
-        want_meta, _, want = published.load_published(src, method, TINY, TARGET[1])
-        got_meta, _, got = published.load_published(tmp_path / converted, method, TINY, TARGET[1])
+        want_meta, _, want = heads.load_external(src, method, TINY, TARGET[1])
+        got_meta, _, got = heads.load_external(tmp_path / converted, method, TINY, TARGET[1])
         assert got_meta == want_meta
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
@@ -406,7 +406,7 @@ def test_bad_checkpoints_are_refused(good, tmp_path, edit, target_cfg, error, ma
     path = edited(good, tmp_path / "bad", **edit)
     params = TARGET[1] if target_cfg is TINY else init_params(target_cfg, seed=0)[1]
     with pytest.raises(error, match=match) as caught:
-        published.load_published(path, "eagle3", target_cfg, params)
+        heads.load_external(path, "eagle3", target_cfg, params)
     assert "\n" not in str(caught.value)
 
 
@@ -432,14 +432,14 @@ def test_bad_dflash_checkpoints_are_refused(tiny_verifier, tmp_path, edit, match
     meta, _, params = dflash_head()
     good = speculators_format.export(meta, params, tmp_path / "good", TINY, TARGET[1], str(tiny_verifier))
     with pytest.raises(CheckpointError, match=match):
-        published.load_published(edited(good, tmp_path / "bad", **edit), "dflash", TINY, TARGET[1])
+        heads.load_external(edited(good, tmp_path / "bad", **edit), "dflash", TINY, TARGET[1])
 
 
 def test_other_method_and_foreign_destination_are_refused(good, tmp_path):
     with pytest.raises(
         HeadsError, match="is a speculators eagle3 checkpoint, not dflash heads; pass --drafter=eagle3"
     ):
-        published.load_published(good, "dflash", TINY, TARGET[1])
+        heads.load_external(good, "dflash", TINY, TARGET[1])
     meta = heads.describe("medusa", {"num_heads": 2, "num_layers": 1}, TINY)
     with pytest.raises(
         HeadsError, match="medusa heads have no speculators format; export eagle3, dflash heads"
@@ -472,10 +472,10 @@ def test_sharded_checkpoint_loads_as_one_file(good, tmp_path):
         save_file({k: tensors[k] for k in keys}, str(sharded / shard))
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    want = published.load_published(good, "eagle3", TINY, TARGET[1])
-    got = published.load_published(sharded, "eagle3", TINY, TARGET[1])
+    want = heads.load_external(good, "eagle3", TINY, TARGET[1])
+    got = heads.load_external(sharded, "eagle3", TINY, TARGET[1])
     assert got[0] == want[0]
     jax.tree.map(np.testing.assert_array_equal, got[2], want[2])
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, listed in .* is missing"):
-        published.load_published(sharded, "eagle3", TINY, TARGET[1])
+        heads.load_external(sharded, "eagle3", TINY, TARGET[1])

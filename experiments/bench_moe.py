@@ -54,14 +54,14 @@ def main(argv):
     bandwidth = read_bandwidth_gbs()
     n = FLAGS.new_tokens
     spec = harness.generate_spec(n, eos_id=None)
-    runs, compile_s = {}, {}
-    for name, cfg, _ in configs():
+    runs, compile_s, cases = {}, {}, configs()
+    for name, cfg, _ in cases:
         graphdef, params = init_params(cfg, seed=0)
         run, compile_s[name] = compile_decode(cfg, graphdef, params, [PROMPT], spec)
         runs[name] = lambda run=run: run([PROMPT]).tokens.block_until_ready()
     times = interleaved_medians(runs, FLAGS.repeats)
     rows = []
-    for name, cfg, twin in configs():
+    for name, cfg, twin in cases:
         slots = -(-(len(PROMPT) + n) // 64) * 64
         cache = 2 * cfg.n_layers * slots * cfg.n_kv_heads * cfg.head_dim * 4
         ms = 1e3 * times[name] / n

@@ -18,13 +18,13 @@ from absl import flags, logging
 
 from specjax import acceptance, cli, pair, precision, sharding
 from specjax.decoding import AdaptiveK, GenerateSpec
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import parse_tree
 from specjax.heads import resolve_heads
 from specjax.metrics import speedup, summarize
 from specjax.models.loading import DEFAULT_MODEL, load_model
 from specjax.models.quantize import parse_quantization, quantize_loaded
 from specjax.runner import decode_texts
-from specjax.trees import parse_tree
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -38,6 +38,12 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1] (1 = off).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.")
+flags.DEFINE_bool(
+    "refill",
+    False,
+    "All prompts in one compiled loop of --batch_size slots, each taking the next prompt as its row ends "
+    "(one device; not with --adaptive_k or the suffix drafter).",
+)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
 flags.DEFINE_enum(
     "matmul_precision",
@@ -220,10 +226,12 @@ def main(argv):
     drafter, drafter_params = make_drafter(model, sampler, plan)
     model = quantize_loaded(model, quant)
     report = decode_texts(
-        model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params, mesh=mesh
+        model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params, mesh, FLAGS.refill
     )
     if drafter and FLAGS.compare_ar:  # every process decodes, process 0 prints
-        ar_report = decode_texts(model, prompts, spec, FLAGS.seed, FLAGS.batch_size, mesh=mesh)
+        ar_report = decode_texts(
+            model, prompts, spec, FLAGS.seed, FLAGS.batch_size, mesh=mesh, refill=FLAGS.refill
+        )
     if not sharding.is_main():
         return
     for prompt, text in zip(prompts, report.texts):

@@ -35,9 +35,9 @@ from absl import flags, logging
 from experiments import common, harness
 from specjax import cli
 from specjax.decoding import compile_decode
-from specjax.drafters import registry
 from specjax.drafters.ngram import NGram
 from specjax.drafters.retrieval import Retrieval
+from specjax.drafting import registry
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 

@@ -18,10 +18,10 @@ from experiments.common import decode_seconds
 from experiments.harness import HEAD_PROMPTS as PROMPTS
 from experiments.harness import write_table
 from specjax import cli, heads
+from specjax.drafting.trees import parse_tree
 from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import parse_tree
 
 REPO = Path(__file__).resolve().parents[1]
 flags.DEFINE_string("eagle", str(REPO / "heads/stories260K_eagle"), "EAGLE-1/2 head (workdir or export).")

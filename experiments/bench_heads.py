@@ -17,10 +17,10 @@ from experiments import common, harness
 from experiments.harness import write_table
 from specjax import cli, heads
 from specjax.decoding import generate
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import DynamicTree, medusa_like
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import DynamicTree, medusa_like
 
 REPO = Path(__file__).resolve().parents[1]
 flags.DEFINE_string(

@@ -3,7 +3,7 @@
     .venv/bin/python -m experiments.bench_memory_bound [--smoke] [--prompts=4] [--new_tokens=64] [--repeats=3]
         [--batches=1,4] [--temperatures=0,1] [--results=results]
 
-The target is stories260K expanded without changing its function (`specjax.models.expand`: *synthetic cost, real
+The target is stories260K expanded without changing its function (`specjax.expand`: *synthetic cost, real
 distribution*): 32 layers of width 512, 372 MB of float32 weights read per token. Its trained Medusa and EAGLE
 heads are expanded the same way, so tau and alpha are stories260K's and the costs are those of a memory-bound
 model. Six tables (results/NAME_{machine,curve,pilot,decode,k,batch}.{md,csv}):
@@ -49,13 +49,17 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import common, harness
-from specjax import cli, heads
-from specjax.analysis import expected_tokens_per_round
-from specjax.models import expand
+from specjax import cli, expand, heads
+from specjax.analysis import (
+    batch_speedup,
+    expected_batch_rounds,
+    expected_tokens_per_round,
+    tokens_per_round,
+)
+from specjax.drafting.trees import DynamicTree, medusa_like
 from specjax.models.llama import causal_mask, forward, in_out_layout, init_cache
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import Chain, DynamicTree, medusa_like
 
 PROMPTS = harness.MEMORY_PROMPTS
 HEADS = Path(__file__).resolve().parents[1] / "heads"
@@ -304,9 +308,9 @@ def load(settings: Settings):
 
 def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, which: str = "big"):
     """(drafter, drafter params) for `method` on the expanded target (`which="big"`) or on stories260K."""
-    from specjax.drafters import registry
     from specjax.drafters.draft_model import DraftModel
     from specjax.drafters.retrieval import Retrieval
+    from specjax.drafting import registry
 
     cfg, _, params = target
     if method in ("draft model", "distilled draft"):
@@ -545,7 +549,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
         f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB "
         f"{cfg.dtype}: synthetic cost, real distribution), {settings.prompts} prompts x {settings.new_tokens} new "
         f"tokens, medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token "
-        "pass, predicted = E / (calls x c + v)"
+        "pass, predicted = (new tokens - 1) / (E[rounds until the batch's slowest row ends] x (calls x c + v))"
     )
     out.table(f"{settings.name}_decode", rows, title)
     if not settings.sweeps:
@@ -557,14 +561,22 @@ def run(settings: Settings, results: str | None = None) -> dict:
         "analytic_optimum: the K maximising it at the sweep's mean a"
     )
     out.table(f"{settings.name}_k", ks, title)
+    batches = batch_table(out, settings, small, target, loaded, chain_k)
+    return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows, k=ks, batch=batches)
+
+
+def batch_table(out: harness.Writer, settings: Settings, small, target, loaded, chain_k: int) -> list[dict]:
+    """`batch_sweep`, written as `{name}_batch`."""
     batches = batch_sweep(settings, small, target, loaded, chain_k)
     title = (
         f"Batch size on the expanded target: AR against EAGLE-3's chain K={chain_k} (greedy, "
         f"{max(settings.new_tokens // 2, 1)} tokens a row, medians of {settings.repeats}); c and v measured at "
-        "each batch; speedup < 1 where a batched target pass is no longer nearly free"
+        "each batch; predicted: the batch runs until its slowest row ends (rounds: measured loop rounds, "
+        "predicted_rounds: their expectation from the measured acceptance); speedup < 1 where a batched target pass "
+        "is no longer nearly free"
     )
     out.table(f"{settings.name}_batch", batches, title)
-    return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows, k=ks, batch=batches)
+    return batches
 
 
 def jobs(settings: Settings) -> list[tuple]:
@@ -670,11 +682,12 @@ def decode_rows(
                     method, drafter.shape.depth
                 )
             )
-            chain = isinstance(drafter.shape, Chain) and verified == drafter.shape.depth
-            e_tokens = (
-                expected_tokens_per_round(m["acceptance_rate"], drafter.shape.depth) if chain else m["tau"]
+            # each group of b rows runs until its slowest row has its tokens: rounds from each row's acceptance
+            generations = outputs[(method, desc)]
+            rounds = sum(
+                expected_batch_rounds(row_distributions(g.stats), new_tokens - 1) for g in generations
             )
-            predicted = e_tokens / (calls * c + v)
+            predicted = len(generations) * (new_tokens - 1) / (rounds * (calls * c + v))
             spec = times[(method, desc)]
             spec_s = statistics.median(spec)
             decoding = decoding_speedup(ar, spec, prefill_s)
@@ -689,6 +702,11 @@ def decode_rows(
             )
             print(rows[-1], flush=True)
     return rows
+
+
+def row_distributions(stats) -> list[np.ndarray]:
+    """Each row's distribution of tokens per round in a run (`specjax.analysis.tokens_per_round`)."""
+    return [tokens_per_round(h) for h in np.asarray(stats.row_hist) if h.sum() > 0]
 
 
 def block_measured(costs: dict, b: int, size: int) -> int:
@@ -734,7 +752,8 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
 def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list[dict]:
     """AR against EAGLE-3's chain of `chain_k` at each batch in `settings.sweep_batches` (greedy, free
     continuation, half the new tokens): tokens/s, speedup, and the prediction from the costs measured at that
-    batch (a 1-token and a (K + 1)-token target pass, one head call)."""
+    batch (a 1-token and a (K + 1)-token target pass, one head call) and the rounds until the batch's slowest row
+    ends (`specjax.analysis.batch_speedup`; `one_row_model`: the one-row model it replaces, E(a, K) / (K c + v))."""
     from specjax.metrics import pooled
 
     cfg, graphdef, params = target
@@ -753,17 +772,19 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
         times, outputs = timed_runs(target, [groups[b]], dict(max_new_tokens=n), drafter, settings.repeats)
         m = pooled([g.stats for g in outputs["eagle3"]])
         c, v = cost[(b, "head")] / cost[(b, 1)], cost[(b, chain_k + 1)] / cost[(b, 1)]
+        per_round = row_distributions(outputs["eagle3"][0].stats)
+        predicted = batch_speedup(per_round, n - 1, chain_k * c + v)
+        decode = decoding_speedup(times["AR"], times["eagle3"], cost[(b, width)] / settings.calls)
         rows.append(
             dict(batch=b, K=chain_k, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
+            | dict(rounds=m["rounds"], predicted_rounds=expected_batch_rounds(per_round, n - 1))
             | dict(ar_tok_s=b * n / statistics.median(times["AR"]))
             | dict(spec_tok_s=b * n / statistics.median(times["eagle3"]))
             | dict(speedup=harness.ratio(times["AR"], times["eagle3"]))
+            | dict(decode_speedup=decode, predicted=predicted, measured_over_predicted=decode / predicted)
             | dict(
-                decode_speedup=decoding_speedup(
-                    times["AR"], times["eagle3"], cost[(b, width)] / settings.calls
-                )
+                one_row_model=expected_tokens_per_round(m["acceptance_rate"], chain_k) / (chain_k * c + v)
             )
-            | dict(predicted=expected_tokens_per_round(m["acceptance_rate"], chain_k) / (chain_k * c + v))
         )
         print(rows[-1], flush=True)
     return rows
@@ -782,6 +803,11 @@ def define_flags() -> None:
     flags.DEFINE_list("kinds", None, f"Drafter rows (default all: {', '.join(KINDS)}).")
     flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the tables.")
     flags.DEFINE_bool("sweeps", True, "Also the K and batch sweeps of EAGLE-3's chain.")
+    flags.DEFINE_integer(
+        "batch_only",
+        None,
+        "Only the batch sweep, of EAGLE-3's chain of this K (the full run picks K by a pilot).",
+    )
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the target.")
     harness.define_precision_flag()
 
@@ -807,6 +833,10 @@ def main(argv):
     if unknown:
         raise ValueError(f"--kinds names unknown rows {sorted(unknown)}; choose from {list(KINDS)}")
     settings = dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})
+    if FLAGS.batch_only:
+        small, target, _, loaded = load(settings)
+        batch_table(harness.Writer(Path(FLAGS.results)), settings, small, target, loaded, FLAGS.batch_only)
+        return
     run(settings, FLAGS.results)
 
 

@@ -21,11 +21,11 @@ from experiments import harness
 from experiments.common import decode_seconds
 from experiments.harness import write_table
 from specjax import cli, heads
+from specjax.drafting.trees import parse_tree
 from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.training import chat, regenerate, trainer
-from specjax.trees import parse_tree
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "configs" / "chat" / "stories.jinja"

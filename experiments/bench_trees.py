@@ -13,9 +13,9 @@ from experiments.common import per_call_seconds, versus_ar
 from experiments.harness import write_table
 from specjax import cli
 from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.drafting.trees import PRESETS, DynamicTree
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import PRESETS, DynamicTree
 
 flags.DEFINE_integer("draft_layers", 3, "Layers of the truncated-target draft (stories260K has 5).")
 flags.DEFINE_integer("repeats", 5, "Timed runs per configuration (median).")

@@ -45,12 +45,12 @@ from specjax.acceptance.rejection import acceptance_probs
 from specjax.decoding import AdaptiveK, compile_decode, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.decoding.speculative import calibrate
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import parse_tree
 from specjax.metrics import pooled, summarize
 from specjax.models.llama import forward
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
-from specjax.trees import parse_tree
 
 flags.DEFINE_integer("k", 4, "Draft tokens per round (Medusa's committed heads draft at most 4).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")

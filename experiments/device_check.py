@@ -54,7 +54,7 @@ class Plan:
     ar_shapes: tuple[str, ...]
     new_tokens: int
     repeats: int
-    expansion: object  # specjax.models.expand.Expansion
+    expansion: object  # specjax.expand.Expansion
     memory: object  # bench_memory_bound.Settings (without the expansion and dtype)
 
 
@@ -62,7 +62,7 @@ def plan(platform: str, memory_bytes: float | None, sizes: str) -> Plan:
     """The sizes for a device: smoke (tiny everything), a CPU (stories260K's default expansion, 110M), or an
     accelerator (110M and 1B, an expansion of >= 1B parameters scaled down where the memory is short)."""
     from experiments import bench_memory_bound as mb
-    from specjax.models import expand
+    from specjax import expand
 
     every = dict(temperatures=(0.0, 1.0), batches=(1,), categories=(), kinds=mb.KINDS)
     if sizes == "smoke":

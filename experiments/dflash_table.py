@@ -17,8 +17,8 @@ import numpy as np
 
 from experiments import harness
 from specjax import metrics
+from specjax.drafting.trees import parse_tree
 from specjax.sampling import Sampler
-from specjax.trees import parse_tree
 
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 CHECKPOINTS = Path("checkpoints")
@@ -71,7 +71,7 @@ def passes(drafter) -> int:
 
 def category_rows(target, categories: dict, quick: bool) -> list[dict]:
     from specjax.decoding import speculative_generate
-    from specjax.drafters import registry
+    from specjax.drafting import registry
 
     rows = []
     for method, setting, name, settings, k, tree in methods(quick):

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 
 from experiments import harness
+from specjax import expand
 from specjax.decoding import compile_decode
-from specjax.drafters import registry
 from specjax.drafters.ngram import NGramSettings
 from specjax.drafters.suffix import SuffixSettings
-from specjax.models import expand
+from specjax.drafting import registry
 from specjax.sampling import Sampler
 
 PROMPTS = ("Once upon a time", "Tom had a red ball", "Lily went to the park", "One day, a little bird")
@@ -86,7 +86,7 @@ def lookup_ms(drafter, dparams, seq_len: int, repeats: int = 20) -> float:
 
 
 def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
-    """Repeated greedy tasks on the memory-bound expansion of stories260K (`specjax.models.expand`: synthetic cost,
+    """Repeated greedy tasks on the memory-bound expansion of stories260K (`specjax.expand`: synthetic cost,
     stories260K's distribution): each prompt's 4th request, with its 3 earlier outputs (identical under greedy: the
     AR output absorbed 3 times) in the store, against AR; batch 1, timed in turns."""
     from specjax.decoding import GenerateSpec

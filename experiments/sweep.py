@@ -31,7 +31,7 @@ from absl import flags, logging
 import run_decode as rd
 from experiments import harness
 from specjax import acceptance, cli, metrics
-from specjax.trees import Chain
+from specjax.drafting.trees import Chain
 
 FLAGS = flags.FLAGS
 OWN = ("grid", "repeats", "results", "name")

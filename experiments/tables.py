@@ -45,8 +45,8 @@ from absl import flags, logging
 
 from experiments import common, harness
 from specjax import analysis, cli, metrics
+from specjax.drafting.trees import DynamicTree, parse_tree
 from specjax.sampling import Sampler
-from specjax.trees import DynamicTree, parse_tree
 
 SECTIONS = (
     "leviathan",
@@ -231,8 +231,8 @@ def methods(quick: bool) -> list[tuple]:
 
 
 def build(target, name: str, settings: dict, k: int, tree, sampler, datastore):
-    from specjax.drafters import registry
     from specjax.drafters.retrieval import Retrieval
+    from specjax.drafting import registry
 
     if name == "retrieval":  # the datastore built once per run (`common.story_datastore`)
         return Retrieval(k), Retrieval.params(datastore)

@@ -5,7 +5,7 @@ under `checkpoints/` written by `specjax.training.trainer`; `export` copies its 
 state. `load_heads(workdir, target)` restores the latest head parameters for a target and refuses heads trained
 for another one; the builder that `register` installs reads either that or a head in its authors' layout
 (`specjax.published`). What each head type is (its initialiser, loss, drafter, expansion, published layout) is
-registered with its drafter (`specjax.drafters.registry.TrainedHeads`); nothing here names a method.
+registered with its drafter (`specjax.drafting.registry.TrainedHeads`); nothing here names a method.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import files, published, speculators_format
-from specjax.drafters import registry
-from specjax.drafters.base import target_signature
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_signature
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.store import restore_step

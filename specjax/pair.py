@@ -6,7 +6,7 @@ The target is anything `run_decode.py --model` takes. The draft is one of:
 - a draft model (anything `--model` takes): a supported family, any (it may differ from the target's), with the
   target's vocabulary size and tokenizer (the same special ids and the same text for every token);
 - a `train_heads.py` workdir or an export of one: its heads.json records the target it was trained for (the same
-  `specjax.drafters.base.target_signature`), and the target layers its heads read must exist;
+  `specjax.drafting.protocol.target_signature`), and the target layers its heads read must exist;
 - a head in its authors' layout (`specjax.published`): its config.json's hidden size, vocabulary, number of target
   layers and the target layers it reads (EAGLE-3's `eagle_aux_hidden_state_layer_ids`, DFlash's
   `target_layer_ids`) must fit.
@@ -25,8 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from specjax import heads, published, speculators_format
-from specjax.drafters import registry
-from specjax.drafters.base import target_signature
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_signature
 from specjax.errors import CheckpointError, HeadsError, PairError, SpecjaxError
 from specjax.models import loading, store
 from specjax.models.config import SUPPORTED_MODEL_TYPES, LlamaConfig

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from specjax import files
-from specjax.drafters import registry
-from specjax.drafters.base import target_io, target_signature
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_io, target_signature
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import CheckpointError

@@ -6,9 +6,10 @@ import dataclasses
 import time
 
 import jax
+import numpy as np
 
 from specjax import sharding
-from specjax.decoding import GenerateSpec, compile_decode
+from specjax.decoding import GenerateSpec, compile_decode, refill
 from specjax.errors import DecodingError
 from specjax.models.loading import LoadedModel
 
@@ -45,14 +46,18 @@ def decode_texts(
     drafter=None,
     drafter_params=None,
     mesh=None,
+    refill: bool = False,
 ) -> DecodeReport:
     """Decodes prompts in batches of `batch_size` with one compiled loop, AR or speculative (with `drafter`), on
     one device or split over `mesh` (`specjax.sharding`). Short batches are padded by repeating a prompt (on a
     mesh, to a multiple of its data axis); their extra rows are dropped. A drafter with `absorb` (suffix decoding)
-    learns each batch's outputs before the next batch."""
+    learns each batch's outputs before the next batch. `refill`: all prompts in one compiled loop whose
+    `batch_size` slots each take the next prompt as their row ends (`specjax.decoding.refill`; one device)."""
     if batch_size < 1:
         raise DecodingError(f"batch_size must be >= 1, got {batch_size}")
     prompts = encode_prompts(model.tokenizer, texts)
+    if refill:
+        return decode_refilled(model, prompts, spec, seed, batch_size, drafter, drafter_params, mesh)
     size = min(batch_size, len(prompts))
     if mesh is not None:
         size = -(-size // mesh.shape["data"]) * mesh.shape["data"]
@@ -79,3 +84,27 @@ def decode_texts(
             finished = [p + tokens[row, : lengths[row]].tolist() for row, p in enumerate(batch)]
             learned = drafter.absorb(drafter_params if learned is None else learned, finished)
     return DecodeReport(outputs, new_tokens, compile_s, run_s, stats)
+
+
+def decode_refilled(model, prompts, spec, seed, slots, drafter, drafter_params, mesh) -> DecodeReport:
+    """`decode_texts` with slots refilled inside one compiled loop."""
+    if mesh is not None:
+        raise DecodingError("--refill runs on one device: drop --mesh, or decode batch after batch")
+    if hasattr(drafter, "absorb"):
+        raise DecodingError(
+            "--refill keeps every prompt in one compiled loop, so a drafter that learns between batches (suffix) "
+            "would learn nothing: drop --refill"
+        )
+    args = (model.cfg, model.graphdef, model.params, prompts, spec, slots, drafter, drafter_params)
+    run, compile_s = refill.compile_serve(*args)
+    jax.block_until_ready(run(prompts, seed))  # warm-up
+    start = time.perf_counter()
+    served = jax.block_until_ready(run(prompts, seed))
+    run_s = time.perf_counter() - start
+    tokens, lengths = np.asarray(served.tokens), np.asarray(served.lengths)
+    texts = []
+    for row, prompt in enumerate(prompts):
+        full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
+        texts.append(full[len(model.tokenizer.decode(prompt)) :])
+    stats = [] if served.stats is None else [served.stats]
+    return DecodeReport(texts, int(lengths.sum()), compile_s, run_s, stats)

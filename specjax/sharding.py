@@ -21,7 +21,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax.errors import MeshError
-from specjax.models.config import LlamaConfig
 
 
 def initialize(coordinator: str | None, num_processes: int, process_id: int) -> None:
@@ -163,15 +162,16 @@ def leaf_placer(mesh: Mesh):
     )
 
 
-def check_target(mesh: Mesh, cfg: LlamaConfig, batch: int) -> None:
-    """Refuses a mesh on which the target's heads or hidden units, or the batch, do not divide."""
+def check_target(mesh: Mesh, cfg, batch: int) -> None:
+    """Refuses a mesh on which the target's (`cfg`, a LlamaConfig) heads or hidden units, or the batch, do not
+    divide."""
     n_data, n_model = mesh.shape["data"], mesh.shape["model"]
     check_divides("the target's kv heads", cfg.n_kv_heads, "model", n_model)
     check_divides("the target's MLP hidden size", cfg.expert_dim or cfg.hidden_dim, "model", n_model)
     check_divides("the batch", batch, "data", n_data, f"decode a multiple of {n_data} prompts per batch")
 
 
-def place_target(mesh: Mesh, cfg: LlamaConfig, params, batch: int):
+def place_target(mesh: Mesh, cfg, params, batch: int):
     """The target's parameters on `mesh` (after `check_target`)."""
     check_target(mesh, cfg, batch)
     return place(params, llama_shardings(mesh, params))

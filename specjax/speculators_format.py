@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from specjax import files, published
-from specjax.drafters.base import target_io, target_signature
+from specjax.drafting.protocol import target_io, target_signature
 from specjax.errors import CheckpointError, HeadsError
 from specjax.models.config import LlamaConfig
 

@@ -41,14 +41,14 @@ import numpy as np
 
 from specjax import acceptance, cli
 from specjax.decoding import GenerateSpec, generate, speculative_generate
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import parse_tree
 from specjax.errors import UsageError
 from specjax.metrics import pooled
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache, init_params
 from specjax.models.loading import LoadedModel, load_model
 from specjax.sampling import Sampler, sample_probs
-from specjax.trees import parse_tree
 
 TINY = LlamaConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
 _GEMMA = dict(

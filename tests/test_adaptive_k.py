@@ -14,13 +14,13 @@ from specjax import verify_exactness
 from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, speculative_generate
 from specjax.decoding.jobs import prepare_speculative
 from specjax.decoding.speculative import calibrate
-from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.drafters.ngram import NGram
-from specjax.layouts import Draft
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft
+from specjax.drafting.trees import Chain
 from specjax.metrics import summarize
 from specjax.sampling import Sampler
-from specjax.trees import Chain
 
 COSTS = (1.2, 1.4, 1.8, 2.6)  # round costs of K = 1, 2, 4, 8: a draft step costs a fifth of a verification
 # The defaults: a slow estimate starting at the measured acceptance.

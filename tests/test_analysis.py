@@ -1,10 +1,19 @@
-"""The analytical model agrees with a direct simulation of i.i.d. acceptances."""
+"""The analytical model agrees with a direct simulation of i.i.d. acceptances, and the batch model with a simulation
+of batches that run until their slowest row ends."""
 
 import numpy as np
 import pytest
 from tolerance import approx
 
-from specjax.analysis import expected_speedup, expected_tokens_per_round, optimal_k
+from specjax.analysis import (
+    batch_speedup,
+    expected_batch_rounds,
+    expected_speedup,
+    expected_tokens_per_round,
+    optimal_k,
+    rounds_cdf,
+    tokens_per_round,
+)
 
 
 @pytest.mark.parametrize("a, k", [(0.0, 3), (0.6, 4), (0.9, 8), (1.0, 5)])
@@ -26,3 +35,44 @@ def test_speedup_and_optimal_k():
         best = expected_speedup(a, k, c)
         assert all(expected_speedup(a, j, c) <= best for j in range(1, 65))
         assert best > expected_speedup(a, k + 1, c) and (k == 1 or best > expected_speedup(a, k - 1, c))
+
+
+def simulated_rounds(p, n: int, rows: int, trials: int, rng) -> np.ndarray:
+    """[trials, rows] rounds each row needed to emit n tokens, rounds drawing j tokens with probability p[j]."""
+    draws = rng.choice(
+        len(p), size=(trials, rows, n), p=np.asarray(p) / np.sum(p)
+    )  # n rounds always suffice
+    return np.argmax(np.cumsum(draws, axis=2) >= n, axis=2) + 1
+
+
+def test_rounds_until_a_row_ends_match_simulation():
+    rng = np.random.default_rng(0)
+    p = tokens_per_round([30, 20, 10, 5, 35])  # accepted 0..4 of K = 4
+    n = 23
+    rounds = simulated_rounds(p, n, 1, 100_000, rng)[:, 0]
+    cdf = rounds_cdf(p, n)
+    for r in (3, 5, 8, 12):
+        empirical = np.mean(rounds <= r)
+        assert cdf[r] == pytest.approx(
+            empirical, abs=5 * np.sqrt(cdf[r] * (1 - cdf[r]) / len(rounds)) + 1e-9
+        )
+    assert cdf[0] == 0 and cdf[n] == 1 and np.all(np.diff(cdf) >= 0)
+
+
+def test_a_batch_runs_until_its_slowest_row_ends():
+    rng = np.random.default_rng(1)
+    fast, slow = tokens_per_round([10, 10, 10, 70]), tokens_per_round([60, 30, 5, 5])
+    rows, n = [fast] * 5 + [slow] * 3, 31
+    sim = np.concatenate(
+        [simulated_rounds(fast, n, 5, 20_000, rng), simulated_rounds(slow, n, 3, 20_000, rng)], axis=1
+    ).max(1)
+    expected = expected_batch_rounds(rows, n)
+    assert expected == pytest.approx(sim.mean(), abs=5 * sim.std() / np.sqrt(len(sim)))
+    # the negative control: the fast rows' mean rounds (n / tau, the one-row model) miss the batch's by far
+    one_row = n / np.dot(np.arange(len(fast)), fast)
+    assert expected > 1.3 * one_row
+    # rounds that always emit j tokens: ceil(n / j) whatever the batch
+    assert expected_batch_rounds([tokens_per_round([0, 0, 1])] * 4, 10) == pytest.approx(4.0, abs=1e-12)
+    assert batch_speedup([tokens_per_round([0, 0, 1])], 10, 1.25) == pytest.approx(
+        10 / (4 * 1.25), abs=1e-12
+    )

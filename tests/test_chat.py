@@ -15,7 +15,7 @@ from tolerance import approx, assert_far
 
 from specjax import files, heads
 from specjax.decoding import GenerateSpec, generate
-from specjax.drafters import registry
+from specjax.drafting import registry
 from specjax.sampling import Sampler
 from specjax.training import chat, data, losses, regenerate
 from specjax.training.config import base_config, smoke

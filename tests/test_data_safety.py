@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from specjax import checkpoint, files, heads
-from specjax.drafters import registry
+from specjax.drafting import registry
 from specjax.models.loading import tokenizer_files
 from specjax.models.weights import build_params
 from specjax.training import data, trainer

@@ -15,14 +15,14 @@ from tolerance import assert_close, assert_far, forward_depth
 
 from specjax import heads, verify_exactness
 from specjax.decoding import speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.dflash import DFlash, choose_anchors, dflash_block, dflash_extend, paper_layers
+from specjax.drafting import registry
+from specjax.drafting.trees import DynamicTree, balanced
 from specjax.errors import HeadsError
 from specjax.metrics import summarize
 from specjax.models.llama import init_cache
 from specjax.sampling import Sampler
 from specjax.training.losses import target_features
-from specjax.trees import DynamicTree, balanced
 
 LAYERS = (1, 0)
 
@@ -237,10 +237,10 @@ def test_confidence_sized_sampling_is_exact(monkeypatch):
 
 
 def test_expanded_head_drafts_the_same_distributions(stories):
-    """On the function-preserving expansion of stories260K (`specjax.models.expand`), the expanded head's block
+    """On the function-preserving expansion of stories260K (`specjax.expand`), the expanded head's block
     logits and confidence scores equal the original's (its per-head norms see the wide heads); a head expanded as
     a plain target layer (query and key rows unscaled for the norms) does not."""
-    from specjax.models import expand
+    from specjax import expand
 
     e = expand.SMOKE
     big = expand.expand(stories.cfg, stories.params, e)

@@ -20,8 +20,9 @@ from tolerance import assert_close, assert_far, forward_depth
 
 from specjax import heads, published
 from specjax.decoding import GenerateSpec, speculative_generate
-from specjax.drafters import dflash_zlab, registry
+from specjax.drafters import dflash_zlab
 from specjax.drafters.dflash import DFlash, dflash_block, dflash_extend
+from specjax.drafting import registry
 from specjax.errors import HeadsError
 from specjax.models.llama import init_cache
 from specjax.models.weights import CheckpointError

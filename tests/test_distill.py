@@ -15,12 +15,12 @@ from tolerance import approx, assert_close, assert_far, forward_depth, tolerance
 from specjax import checkpoint
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters import distill
-from specjax.drafters.registry import trained
+from specjax.drafting.registry import trained
+from specjax.drafting.trees import parse_tree
 from specjax.models.llama import init_params
 from specjax.models.loading import load_model, tokenizer_files
 from specjax.training import divergences, losses, trainer
 from specjax.training.config import TrainingConfigError, base_config, smoke
-from specjax.trees import parse_tree
 
 
 def np_divergence(name, target, draft, temperature, beta):

@@ -13,7 +13,6 @@ from tolerance import LAYER_DEPTH, assert_close, assert_far
 
 from specjax import heads, precision, published, verify_exactness
 from specjax.decoding import GenerateSpec, speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.eagle import layer_config
 from specjax.drafters.eagle3 import (
     eagle3_apply,
@@ -21,12 +20,13 @@ from specjax.drafters.eagle3 import (
     frequent_tokens,
     paper_layers,
 )
+from specjax.drafting import registry
+from specjax.drafting.trees import DynamicTree, balanced
 from specjax.metrics import summarize
 from specjax.models.llama import init_cache
 from specjax.models.weights import CheckpointError
 from specjax.sampling import Sampler
 from specjax.training.losses import target_features
-from specjax.trees import DynamicTree, balanced
 
 # float32 rounding stages of the EAGLE-3 loss: the fusion, one decoder layer, the LM head, the target's softmax
 # against the log-softmax, the sums; the unrolled loss runs that twice; a gradient is the way back through them

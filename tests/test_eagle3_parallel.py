@@ -15,18 +15,17 @@ from conftest import TINY
 from helpers import TARGET, greedy_case
 from tolerance import LAYER_DEPTH, assert_close, assert_far
 
-from specjax import heads, precision, published, verify_exactness
+from specjax import expand, heads, precision, published, verify_exactness
 from specjax.decoding import speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.eagle import layer_config
 from specjax.drafters.eagle3 import Eagle3Training, eagle3_apply, eagle3_loss, eagle3_unrolled, head_shape
+from specjax.drafting import registry
+from specjax.drafting.trees import DynamicTree, balanced
 from specjax.errors import HeadsError, TrainingConfigError
-from specjax.models import expand
 from specjax.models.llama import causal_mask, init_cache
 from specjax.sampling import Sampler
 from specjax.training import config as training_config
 from specjax.training.losses import target_features
-from specjax.trees import DynamicTree, balanced
 
 K, LAYERS = 3, (1, 0)
 # the fusion, one decoder layer, the LM head, a softmax: the training pass and the drafting pass round differently

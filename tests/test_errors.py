@@ -177,7 +177,7 @@ def test_default_model_resolution(monkeypatch, tmp_path, offline_hub):
 def test_tree_wider_than_vocabulary():
     from specjax.decoding import speculative_generate
     from specjax.drafters.draft_model import DraftModel
-    from specjax.trees import balanced
+    from specjax.drafting.trees import balanced
 
     wide = DraftModel(TINY, GRAPHDEF, 1, tree=balanced(TINY.vocab_size + 1, 1))
     with pytest.raises(
@@ -201,7 +201,7 @@ ERROR_HOMES = {  # module: the errors it raises and re-exports (one class, one h
     "specjax.datastore": ["DatastoreError"],
     "specjax.results": ["ResultsError"],
     "specjax.sharding": ["MeshError"],
-    "specjax.trees": ["TreeError"],
+    "specjax.drafting.trees": ["TreeError"],
     "specjax.drafters.retrieval": ["RetrievalError"],
     "specjax.drafters.ngram": ["NGramError"],
     "specjax.drafters.lookahead": ["LookaheadError"],
@@ -229,7 +229,9 @@ def test_every_error_is_a_documented_specjax_error_and_keeps_its_builtin():
 
 
 BUILTIN_RAISE = r"raise (ValueError|TypeError|KeyError|RuntimeError|FileNotFoundError|FileExistsError)\("
-ALLOWED_BUILTIN = {"specjax/trees.py": 1}  # a programming error, not a user's: a search tree has no layout
+ALLOWED_BUILTIN = {
+    "specjax/drafting/trees.py": 1
+}  # a programming error, not a user's: a search tree has no layout
 
 
 def test_the_library_raises_no_bare_builtin_for_a_users_mistake():
@@ -249,9 +251,9 @@ def test_the_library_raises_no_bare_builtin_for_a_users_mistake():
     "call, error",
     [
         (lambda: Sampler(temperature=1.0, top_p=0.0), "SamplingError"),
-        (lambda: __import__("specjax.drafters.registry").drafters.registry.get("nope"), "DrafterError"),
+        (lambda: __import__("specjax.drafting.registry").drafters.registry.get("nope"), "DrafterError"),
         (lambda: __import__("specjax.acceptance").acceptance.get("nope"), "SamplingError"),
-        (lambda: __import__("specjax.trees").trees.chain(0), "TreeError"),
+        (lambda: __import__("specjax.drafting.trees").trees.chain(0), "TreeError"),
         (
             lambda: __import__("specjax.decoding.adaptive").decoding.adaptive.AdaptiveK.parse("2,1"),
             "DrafterError",

@@ -1,4 +1,4 @@
-"""The function-preserving expansion (`specjax.models.expand`): the expanded target computes stories260K's
+"""The function-preserving expansion (`specjax.expand`): the expanded target computes stories260K's
 logits, decodes the same tokens, and its expanded heads draft the same tokens (the memory-bound benchmark's smoke
 mode runs in test_tables)."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tolerance import approx, assert_close, forward_depth
 
-from specjax.models import expand
+from specjax import expand
 from specjax.models.llama import causal_mask, forward, init_cache
 
 PROMPTS = ["Once upon a time, there was a dog named", "Lily wanted to", "Tom and his dog went to the park"]
@@ -89,9 +89,9 @@ def test_greedy_decoding_equal(stories, expanded):
 
 
 def test_expanded_heads_give_the_same_drafts(stories, expanded, trained_heads):
-    from specjax.drafters.base import target_io
     from specjax.drafters.eagle import eagle_apply
     from specjax.drafters.medusa import medusa_logits
+    from specjax.drafting.protocol import target_io
 
     tokens, lengths = prompt_batch(stories)
     _, feats = all_logits(stories.cfg, stories.graphdef, stories.params, tokens)

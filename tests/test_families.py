@@ -17,7 +17,8 @@ from tolerance import assert_close, assert_far, forward_depth
 from specjax import acceptance, checkpoint, verify_exactness
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.decoding.prefill import prefill
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import parse_tree
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import abstract_model, causal_mask, forward, init_cache, init_params
 from specjax.models.loading import LoadedModel, tokenizer_files
@@ -25,7 +26,6 @@ from specjax.models.weights import build_params, mxfp4, params_from_hf, read_saf
 from specjax.sampling import Sampler
 from specjax.training import trainer
 from specjax.training.config import base_config, smoke
-from specjax.trees import parse_tree
 
 BASE = dict(
     vocab_size=96,
@@ -237,35 +237,57 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_target(stories, tmp_path_factory):
-    """A tiny random gpt-oss-style target (experts, sinks, windows) with stories260K's tokenizer, saved as a specjax
-    checkpoint for the trainer."""
-    cfg = verify_exactness.TINY_FAMILIES["gpt_oss"].replace(
-        vocab_size=stories.cfg.vocab_size,
-        max_seq_len=256,
-        bos_id=stories.cfg.bos_id,
-        eos_id=stories.cfg.eos_id,
-    )
-    graphdef, params = init_params(cfg, seed=0)
-    path = checkpoint.save_model(
-        tmp_path_factory.mktemp("moe") / "target", cfg, params, tokenizer_files(stories.path)
-    )
-    return LoadedModel(cfg, graphdef, params, stories.tokenizer, path)
+def family_target(stories, tmp_path_factory):
+    """`family_target(family)`: a tiny random target of the family with stories260K's tokenizer, saved as a specjax
+    checkpoint for the trainer (one per family and module)."""
+    made = {}
+
+    def make(family: str) -> LoadedModel:
+        if family not in made:
+            cfg = verify_exactness.TINY_FAMILIES[family].replace(
+                vocab_size=stories.cfg.vocab_size,
+                max_seq_len=256,
+                bos_id=stories.cfg.bos_id,
+                eos_id=stories.cfg.eos_id,
+            )
+            graphdef, params = init_params(cfg, seed=0)
+            folder = tmp_path_factory.mktemp(family) / "target"
+            path = checkpoint.save_model(folder, cfg, params, tokenizer_files(stories.path))
+            made[family] = LoadedModel(cfg, graphdef, params, stories.tokenizer, path)
+        return made[family]
+
+    return make
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "dflash"])
-def test_heads_train_and_decode_on_a_mixture_of_experts(method, moe_target, tmp_path):
-    """Every trained head type trains on an MoE target (smoke run, finite losses), and the trained heads decode
-    greedily to the target's own greedy tokens."""
+# Every trained head type on the gpt-oss-style target (experts, sinks, windows); on each other family the types
+# whose inputs it changes: Gemma's scaled embeddings, (1 + w) final norm and soft-capped logits reach the heads
+# that read the target's embedding and final features (EAGLE-3, DFlash, Medusa, EAGLE), the others differ below
+# the features a head reads (q/k norms, windows, routed experts), so one or two types each.
+HEAD_FAMILIES = [
+    *(("gpt_oss", m) for m in ("medusa", "eagle", "eagle3", "dflash")),
+    *(("gemma2", m) for m in ("eagle3", "dflash")),
+    *(("gemma3_text", m) for m in ("medusa", "eagle")),
+    ("qwen3", "eagle3"),
+    ("qwen3_moe", "eagle"),
+    ("mixtral", "medusa"),
+    ("mistral", "dflash"),
+]
+
+
+@pytest.mark.parametrize("family, method", HEAD_FAMILIES)
+def test_heads_train_and_decode_on_the_family(family, method, family_target, tmp_path):
+    """A trained head type trains on a target of the family (smoke run, finite losses), and the trained heads
+    decode greedily to the target's own greedy tokens."""
+    target = family_target(family)
     config = smoke(base_config(method))
-    config.target, config.train.steps = str(moe_target.path), 6
+    config.target, config.train.steps = str(target.path), 6
     summary = trainer.train(config, tmp_path)
     assert summary["step"] == 6 and np.isfinite(summary["loss"])
     entry = registry.get(method)
-    drafter, dparams = entry.build(moe_target, entry.settings(heads=str(tmp_path)), 3, None, Sampler())
+    drafter, dparams = entry.build(target, entry.settings(heads=str(tmp_path)), 3, None, Sampler())
     prompts = [[1, 40, 41, 42], [1, 7]]
     spec = GenerateSpec(12, Sampler(), eos_id=None)
-    cfg, graphdef, params = moe_target.cfg, moe_target.graphdef, moe_target.params
+    cfg, graphdef, params = target.cfg, target.graphdef, target.params
     ar = generate(cfg, graphdef, params, prompts, spec).tokens
     spec_tokens = speculative_generate(cfg, graphdef, params, drafter, dparams, prompts, spec).tokens
     np.testing.assert_array_equal(spec_tokens, ar)

@@ -21,14 +21,14 @@ from tolerance import LAYER_DEPTH, assert_close
 
 from specjax import heads
 from specjax.decoding import GenerateSpec, generate, speculative_generate
-from specjax.drafters.base import target_io
 from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config
 from specjax.drafters.medusa import Medusa
+from specjax.drafting.protocol import target_io
+from specjax.drafting.trees import DynamicTree, balanced
 from specjax.metrics import summarize
 from specjax.models.llama import causal_mask, init_cache
 from specjax.sampling import Sampler
 from specjax.training.losses import target_features
-from specjax.trees import DynamicTree, balanced
 
 TREES = {"chain": None, "tree": balanced(2, 3), "dynamic": DynamicTree(3, 3, 8)}
 

@@ -17,7 +17,7 @@ from specjax import verify_exactness
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.decoding.jobs import job_key, pad_prompts
 from specjax.decoding.prefill import prefill
-from specjax.drafters import layer_skip, registry
+from specjax.drafters import layer_skip
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import (
     LayerSkipError,
@@ -28,11 +28,12 @@ from specjax.drafters.layer_skip import (
     search_layers,
     skip_model,
 )
+from specjax.drafting import registry
+from specjax.drafting.trees import parse_tree
 from specjax.metrics import summarize
 from specjax.models.llama import init_params
 from specjax.models.loading import LoadedModel
 from specjax.sampling import Sampler
-from specjax.trees import parse_tree
 
 TINY4 = TINY.replace(n_layers=4)
 

@@ -1,4 +1,5 @@
-"""specjax's import graph: no circle, and no import running up the declared layers (`LAYERS`, lowest first).
+"""specjax's import graph: no circle, and no import running up the declared layers (`LAYERS`, lowest first); drawn
+by folders (each package one node, each top-level module its own), no circle either, so the folders show the layers.
 
 Every import of a specjax module counts, at the top of a file or inside a function. A module belongs to the
 first layer with a pattern that matches it (a pattern ending in `.` matches a package and the modules in it); a
@@ -16,19 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     (
         "foundations",
-        "specjax specjax.models specjax.drafters specjax.training specjax.files specjax.sampling specjax.cache "
-        "specjax.metrics specjax.analysis specjax.results specjax.tokenizer specjax.models.config "
-        "specjax.drafters.registry specjax.precision specjax.errors",
+        "specjax specjax.models specjax.drafters specjax.drafting specjax.training specjax.files specjax.sampling "
+        "specjax.cache specjax.metrics specjax.analysis specjax.results specjax.tokenizer specjax.models.config "
+        "specjax.drafting.registry specjax.precision specjax.errors",
     ),
-    ("model", "specjax.models.llama specjax.models.weights specjax.models.quantize specjax.sharding specjax.layouts"),
+    ("model", "specjax.models.llama specjax.models.weights specjax.models.quantize specjax.sharding "
+     "specjax.drafting.layouts"),
     ("model files", "specjax.models.store specjax.models.loading specjax.models.conversion"),
-    ("draft shapes and acceptance", "specjax.drafters.search specjax.trees specjax.drafters.base specjax.acceptance."),
+    ("draft shapes and acceptance", "specjax.drafting. specjax.acceptance."),
     ("decoding", "specjax.decoding."),
     ("data and CLI", "specjax.cli specjax.training.chat specjax.training.regenerate specjax.training.data "
      "specjax.training.losses specjax.training.divergences specjax.training.config specjax.datastore"),
     ("trained-head formats", "specjax.published specjax.speculators_format specjax.heads"),
     ("drafters", "specjax.drafters."),
-    ("tools", "specjax.models.expand specjax.training. specjax.runner specjax.verify_exactness specjax.checkpoint "
+    ("tools", "specjax.expand specjax.training. specjax.runner specjax.verify_exactness specjax.checkpoint "
      "specjax.convert specjax.pair"),
 ]  # fmt: skip
 
@@ -115,8 +117,41 @@ def problems(g: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def folder(module: str) -> str:
+    """The folder a module sits in (a top-level module is its own)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def folder_graph(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the folders its modules import (the package root `specjax` left out: it imports nothing)."""
+    out = {}
+    for m, deps in g.items():
+        if m != "specjax":
+            out.setdefault(folder(m), set()).update(folder(d) for d in deps if d != "specjax")
+    return {f: deps - {f} for f, deps in out.items()}
+
+
+def folder_problems(g: dict[str, set[str]]) -> list[str]:
+    """One line per circle of folders, naming an import that makes each of its arrows."""
+    fg, out = folder_graph(g), []
+    for group in cycles(fg):
+        arrows = [
+            f"{m} -> {d}"
+            for m in sorted(g)
+            for d in sorted(g[m])
+            if folder(m) in group and folder(d) in group and folder(m) != folder(d) and d != "specjax"
+        ]
+        out.append(f"folder circle: {' <-> '.join(group)} ({'; '.join(arrows)})")
+    return out
+
+
 def test_no_circle_and_no_upward_import():
     assert problems(graph()) == []
+
+
+def test_no_circle_between_folders():
+    assert folder_problems(graph()) == []
 
 
 def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
@@ -132,10 +167,17 @@ def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
         "import circle: specjax.files <-> specjax.sampling",
         "upward import: specjax.models.llama (model) imports specjax.decoding.jobs (decoding)",
     ]
+    (tmp_path / "specjax/decoding/prefill.py").write_text("from specjax.models import llama\n")
+    assert folder_problems(graph(tmp_path)) == [
+        "folder circle: specjax.decoding <-> specjax.models "
+        "(specjax.decoding.prefill -> specjax.models.llama; specjax.models.llama -> specjax.decoding.jobs)",
+        "folder circle: specjax.files <-> specjax.sampling "
+        "(specjax.files -> specjax.sampling; specjax.sampling -> specjax.files)",
+    ]
 
 
 if __name__ == "__main__":
-    found = problems(graph())
+    found = problems(graph()) + folder_problems(graph())
     print(
         "\n".join(found) or f"no circle, no upward import ({len(graph())} modules in {len(LAYERS)} layers)"
     )

@@ -8,7 +8,6 @@ from conftest import TINY
 from helpers import TARGET, greedy_case
 
 from specjax.decoding import GenerateSpec, generate, speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.lookahead import (
     Lookahead,
     LookaheadError,
@@ -17,6 +16,7 @@ from specjax.drafters.lookahead import (
     lookahead_arrays,
     pool_insert,
 )
+from specjax.drafting import registry
 
 
 def reference_insert(pool, stamp, clock, grams, valid):

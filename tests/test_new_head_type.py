@@ -1,5 +1,5 @@
 """A trained head type defined here, in one module with one registration (`heads.register`), is found by the
-trainer's loss, expands with the target (`specjax.models.expand`), exports to and loads from its published layout
+trainer's loss, expands with the target (`specjax.expand`), exports to and loads from its published layout
 (`specjax.published`) and is built by the drafter registry, with no other module edited; without the registration
 each of them refuses it."""
 
@@ -15,9 +15,9 @@ from helpers import TARGET
 from tolerance import approx
 
 from specjax import heads, published
-from specjax.drafters import registry
-from specjax.drafters.base import target_io, target_signature
-from specjax.models.expand import Expansion, expand_heads
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_io, target_signature
+from specjax.expand import Expansion, expand_heads
 from specjax.training import losses, trainer
 
 V, D = TINY.vocab_size, TINY.dim

@@ -17,11 +17,11 @@ from specjax import precision
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.speculative import speculative_compiled
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.trees import TreeError, parse_tree
 from specjax.models.llama import init_params
 from specjax.models.loading import LoadedModel
 from specjax.sampling import Sampler
-from specjax.trees import TreeError, parse_tree
 from specjax.verify_exactness import tiny_drafter
 
 DOT = re.compile(r"stablehlo\.dot_general\b[^\n]*")

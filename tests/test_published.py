@@ -17,12 +17,12 @@ from tolerance import LAYER_DEPTH, assert_close, assert_far
 
 from specjax import files, heads, published
 from specjax.decoding import speculative_generate
-from specjax.drafters.base import target_io
 from specjax.drafters.medusa import medusa_logits
+from specjax.drafting.protocol import target_io
+from specjax.drafting.trees import DynamicTree
 from specjax.models.llama import causal_mask, init_cache
 from specjax.models.weights import CheckpointError
 from specjax.sampling import Sampler
-from specjax.trees import DynamicTree
 
 H, V, T = TINY.dim, TINY.vocab_size, 6
 EMBED = np.asarray(target_io(TINY, TARGET[1])["embed"], np.float64)

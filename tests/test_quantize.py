@@ -21,7 +21,8 @@ from tolerance import assert_close, tolerance
 
 from specjax import verify_exactness
 from specjax.decoding import speculative_generate
-from specjax.drafters import quantized, registry
+from specjax.drafters import quantized
+from specjax.drafting import registry
 from specjax.metrics import summarize
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.models.loading import LoadedModel

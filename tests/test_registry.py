@@ -13,10 +13,10 @@ from helpers import RAGGED, TARGET, cli, run_cli
 from specjax import acceptance
 from specjax.acceptance import base as acceptance_base
 from specjax.decoding import GenerateSpec, generate, speculative_generate
-from specjax.drafters import registry
-from specjax.layouts import Draft
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft
+from specjax.drafting.trees import Chain
 from specjax.metrics import summarize
-from specjax.trees import Chain
 
 
 @dataclasses.dataclass(frozen=True)

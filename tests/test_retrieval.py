@@ -13,8 +13,8 @@ from helpers import RAGGED, TARGET
 from specjax import datastore, files, verify_exactness
 from specjax.datastore import Datastore, DatastoreError, open_datastore, suffix_array
 from specjax.decoding import GenerateSpec, generate, speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.retrieval import Retrieval, RetrievalError, RetrievalSettings, retrieval_candidates
+from specjax.drafting import registry
 from specjax.metrics import summarize
 from specjax.models.loading import LoadedModel
 

@@ -18,9 +18,9 @@ from tolerance import LAYER_DEPTH, assert_close, assert_far, forward_depth
 
 from specjax import files, heads, published, speculators_format
 from specjax.decoding import speculative_generate
-from specjax.drafters import registry
-from specjax.drafters.base import target_io
 from specjax.drafters.dflash import dflash_block, dflash_extend
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_io
 from specjax.errors import CheckpointError, HeadsError
 from specjax.models.llama import causal_mask, init_cache, init_params
 from specjax.sampling import Sampler

@@ -158,7 +158,7 @@ def test_greedy_equals_ar_and_the_store_learns_from_outputs(stories, nodes):
 
 def test_runs_learn_across_batches_and_keep_the_store(stories, tmp_path):
     from specjax.datastore import tokenizer_identity
-    from specjax.drafters import registry
+    from specjax.drafting import registry
     from specjax.sampling import Sampler
 
     settings = suffix.SuffixSettings(store=str(tmp_path / "store"), store_tokens=1024)

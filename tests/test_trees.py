@@ -22,10 +22,10 @@ from tolerance import assert_close, assert_far
 from specjax.acceptance.rejection import sibling_step, tree_sampling
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.draft_model import DraftModel, truncated_target
-from specjax.layouts import TreeLayout
+from specjax.drafting.layouts import TreeLayout
+from specjax.drafting.trees import PRESETS, DynamicTree, Tree, TreeError, balanced, chain
 from specjax.metrics import summarize
 from specjax.sampling import Sampler
-from specjax.trees import PRESETS, DynamicTree, Tree, TreeError, balanced, chain
 
 DYNAMIC = [DynamicTree(2, 3, 6), DynamicTree(4, 4, 16)]
 V = 5

@@ -18,16 +18,16 @@ import pytest
 from helpers import SMALL, greedy_case, peaked, run_patched
 from tolerance import approx, assert_close, assert_far
 
-from specjax import acceptance, trees, verify_exactness
+from specjax import acceptance, verify_exactness
 from specjax.acceptance.block import Block, block_outcome, block_verification, block_weights
 from specjax.acceptance.greedy import greedy_chain
 from specjax.acceptance.rejection import acceptance_probs
 from specjax.acceptance.traversal import traversal_outcome, traversal_verification
 from specjax.acceptance.typical import TypicalLossy
 from specjax.decoding import GenerateSpec, speculative_generate
-from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_target
-from specjax.layouts import TreeLayout
+from specjax.drafting import registry, trees
+from specjax.drafting.layouts import TreeLayout
 from specjax.metrics import summarize
 from specjax.models.llama import causal_mask, forward, init_cache
 from specjax.sampling import Sampler

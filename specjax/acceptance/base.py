@@ -24,7 +24,7 @@ class AcceptanceRule(Protocol):
 
     def tree(self, key, sampler, layout, draft_BN, q_BNV, logits_BNV, without_replacement: bool):
         """(n_accepted [B], next_token [B], path [B, D]: accepted node indices by depth, 0 padded) for a tree
-        (`specjax.layouts.TreeLayout`); `logits_BNV` has N + 1 nodes, the root first."""
+        (`specjax.drafting.layouts.TreeLayout`); `logits_BNV` has N + 1 nodes, the root first."""
 
 
 RULES: dict[str, type] = {}

@@ -28,7 +28,7 @@ def greedy_chain(draft_BK: jax.Array, target_logits_BKV: jax.Array):
 def greedy_tree(layout, draft_BN: jax.Array, target_logits_BNV: jax.Array):
     """Deepest node whose every token equals the target's argmax at its parent, then the target's token.
 
-    `layout` is a `specjax.layouts.TreeLayout`. Returns (n_accepted [B], next_token [B],
+    `layout` is a `specjax.drafting.layouts.TreeLayout`. Returns (n_accepted [B], next_token [B],
     path [B, D]: accepted node indices by depth, 0 padded)."""
     target = argmax(target_logits_BNV)  # [B, N+1]
     parent_target = jnp.take_along_axis(target, layout.parent, axis=1)

@@ -1,6 +1,6 @@
 """Decoding, one `jax.jit` per job: job preparation (`jobs`), prefill, the AR loop (`autoregressive`), the
-speculative loop and its round (`speculative`), adaptive draft length (`adaptive`), and ahead-of-time compilation
-(`compile`)."""
+speculative loop and its round (`speculative`), adaptive draft length (`adaptive`), slots refilled inside the loop
+(`refill`), and ahead-of-time compilation (`compile`)."""
 
 from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.autoregressive import Generation, generate

@@ -11,10 +11,10 @@ from specjax import precision
 from specjax.acceptance import AcceptanceRule
 from specjax.acceptance.rejection import TokenWise
 from specjax.decoding.adaptive import AdaptiveK
+from specjax.drafting.trees import Chain
 from specjax.errors import DecodingError
 from specjax.models.config import LlamaConfig
 from specjax.sampling import Sampler
-from specjax.trees import Chain
 
 CACHE_BUCKET = 64
 

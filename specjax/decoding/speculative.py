@@ -19,8 +19,8 @@ from flax import struct
 from specjax import precision
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
-from specjax.drafters.base import feature_taps, propose
-from specjax.layouts import Draft, Verification
+from specjax.drafting.layouts import Draft, Verification
+from specjax.drafting.protocol import feature_taps, propose
 from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import features, forward
@@ -37,12 +37,17 @@ class SpecStats:
     emitted: jax.Array  # [B] tokens emitted by rounds (after EOS / max_new_tokens truncation)
     depth_accepted: jax.Array  # [D+1, D+1] row-rounds by (the round's draft depth, draft tokens accepted)
     censored_hist: jax.Array  # [D+1] row-rounds by draft tokens accepted, whose next accepted one was cut
+    row_hist: jax.Array  # [B, D+1] each row's rounds by draft tokens accepted (the batch model's input)
 
     @classmethod
     def zeros(cls, batch: int, depth: int) -> SpecStats:
         rows = jnp.zeros((batch,), jnp.int32)
         hist = jnp.zeros((depth + 1,), jnp.int32)
-        return cls(jnp.int32(0), rows, rows, jnp.zeros((depth + 1, depth + 1), jnp.int32), hist)
+        square, row_hist = (
+            jnp.zeros((depth + 1, depth + 1), jnp.int32),
+            jnp.zeros((batch, depth + 1), jnp.int32),
+        )
+        return cls(jnp.int32(0), rows, rows, square, hist, row_hist)
 
     def record(self, active_B, n_emitted_B, n_accepted_B, depth: int) -> SpecStats:
         count = active_B.astype(jnp.int32)
@@ -53,6 +58,7 @@ class SpecStats:
             emitted=self.emitted + n_emitted_B,
             depth_accepted=self.depth_accepted.at[depth, kept].add(count),
             censored_hist=self.censored_hist.at[kept].add(count * (kept < n_accepted_B)),
+            row_hist=self.row_hist.at[jnp.arange(kept.shape[0]), kept].add(count),
         )
 
     # Read on the host after a run (numpy: no small XLA programs compiled for each draft depth).

@@ -1,1 +1,1 @@
-"""Draft sources behind one protocol (see `specjax.drafters.base.Drafter`)."""
+"""Draft sources behind one protocol (see `specjax.drafting.protocol.Drafter`)."""

@@ -28,14 +28,15 @@ import optax
 from flax import nnx, struct
 
 from specjax import heads, precision
-from specjax.drafters import dflash_zlab, registry
-from specjax.drafters.base import KOrTree, target_io, target_signature
+from specjax.drafters import dflash_zlab
+from specjax.drafting import registry
+from specjax.drafting.protocol import KOrTree, target_io, target_signature
+from specjax.drafting.trees import DynamicTree, Tree
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, apply_rope, init_cache, rope_angles
 from specjax.sampling import Sampler
 from specjax.training import divergences, losses
-from specjax.trees import DynamicTree, Tree
 
 
 def paper_layers(n_target_layers: int, n_draft_layers: int) -> tuple[int, ...]:
@@ -420,7 +421,7 @@ def tiny_example(target, k, tree, sampler):
 
 
 def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
-    """The head for the expanded target (`specjax.models.expand`): fc fuses the tapped layers' original dims; each
+    """The head for the expanded target (`specjax.expand`): fc fuses the tapped layers' original dims; each
     layer as the expander builds a target layer, with the q/k rows rescaled for the per-head norms (their mean runs
     over the wide head and their epsilon is the wide config's) and the extra dims of original key heads zeroed."""
     d, d2, hd, hd2 = cfg.dim, expansion.dim, cfg.head_dim, expansion.head_dim

@@ -24,9 +24,9 @@ from flax import nnx
 from specjax import heads
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec
-from specjax.drafters import registry
-from specjax.drafters.base import target_io
 from specjax.drafters.draft_model import DraftModel
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_io
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache, init_params

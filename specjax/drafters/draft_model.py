@@ -8,15 +8,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.decoding.prefill import prefill
-from specjax.drafters import registry
-from specjax.drafters.base import KOrTree
+from specjax.drafting import registry
+from specjax.drafting.protocol import KOrTree
+from specjax.drafting.trees import DynamicTree, Tree
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward
 from specjax.models.loading import load_model
 from specjax.models.weights import build_params
 from specjax.sampling import Sampler
-from specjax.trees import DynamicTree, Tree
 
 
 @dataclasses.dataclass(frozen=True)

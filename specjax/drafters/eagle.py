@@ -21,15 +21,15 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax import heads, precision, published
-from specjax.drafters import registry
-from specjax.drafters.base import KOrTree, target_io
+from specjax.drafting import registry
+from specjax.drafting.protocol import KOrTree, target_io
+from specjax.drafting.trees import DynamicTree, Tree
 from specjax.errors import HeadsError
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.llama import Block, Linear, causal_mask, init_cache, rope_angles
 from specjax.models.weights import CheckpointError
 from specjax.sampling import Sampler
 from specjax.training import losses
-from specjax.trees import DynamicTree, Tree
 
 
 class RawInputBlock(Block):
@@ -281,7 +281,7 @@ def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = No
 
 
 def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
-    """The head for the expanded target (`specjax.models.expand`): fc reads concat(embedding, feature) 2D -> D,
+    """The head for the expanded target (`specjax.expand`): fc reads concat(embedding, feature) 2D -> D,
     then one target-shaped layer."""
     d, d2 = cfg.dim, expansion.dim
     fc = np.zeros((d2, 2 * d2), ex.dt)

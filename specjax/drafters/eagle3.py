@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 
 from specjax import heads, precision, published
-from specjax.drafters import registry
-from specjax.drafters.base import target_io
 from specjax.drafters.eagle import Eagle, EagleState, check_published_layer, layer_config
+from specjax.drafting import registry
+from specjax.drafting.protocol import target_io
 from specjax.errors import HeadsError, TrainingConfigError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, causal_mask, rope_angles
@@ -462,7 +462,7 @@ def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = No
 
 
 def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
-    """The head for the expanded target (`specjax.models.expand`): fc fuses the tapped layers; the layer reads
+    """The head for the expanded target (`specjax.expand`): fc fuses the tapped layers; the layer reads
     [embedding, feature]; a tap reads the residual after the same original layer."""
     d, d2 = cfg.dim, expansion.dim
     n_taps = p["fc"]["weight"].shape[1] // d

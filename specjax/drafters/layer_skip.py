@@ -37,8 +37,8 @@ import numpy as np
 from specjax.analysis import expected_speedup, optimal_k
 from specjax.decoding import GenerateSpec, generate
 from specjax.decoding.jobs import pad_prompts
-from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.drafting import registry
 from specjax.errors import LayerSkipError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import causal_mask, forward, init_cache

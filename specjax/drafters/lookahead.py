@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters import registry
 from specjax.drafters.ngram import branch_tree
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft, TreeLayout
 from specjax.errors import LookaheadError
-from specjax.layouts import Draft, TreeLayout
 
 
 def pool_insert(pool_BCN, stamp_BC, clock_B, grams_BXN, valid_BX):

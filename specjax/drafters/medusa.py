@@ -16,14 +16,14 @@ import numpy as np
 from flax import nnx
 
 from specjax import heads, precision, published
-from specjax.drafters import registry
-from specjax.drafters.base import KOrTree, target_io
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft
+from specjax.drafting.protocol import KOrTree, target_io
+from specjax.drafting.trees import Tree
 from specjax.errors import HeadsError
-from specjax.layouts import Draft
 from specjax.models.config import LlamaConfig
 from specjax.sampling import argmax
 from specjax.training import losses
-from specjax.trees import Tree
 
 
 class MedusaHeads(nnx.Module):
@@ -196,7 +196,7 @@ def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = No
 
 
 def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
-    """The heads for the expanded target (`specjax.models.expand`): residual blocks and projection zero-padded."""
+    """The heads for the expanded target (`specjax.expand`): residual blocks and projection zero-padded."""
     nh, nl = p["w"].shape[:2]
     d2 = expansion.dim
     new = {

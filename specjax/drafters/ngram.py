@@ -27,10 +27,10 @@ import numbers
 
 import jax.numpy as jnp
 
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft
+from specjax.drafting.trees import Chain, Tree
 from specjax.errors import NGramError
-from specjax.layouts import Draft
-from specjax.trees import Chain, Tree
 
 
 def branch_tree(branches: int, k: int) -> Tree:

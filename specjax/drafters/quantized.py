@@ -15,8 +15,8 @@ import dataclasses
 
 from flax import nnx
 
-from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel
+from specjax.drafting import registry
 from specjax.models.quantize import Quantization, quantize_model
 from specjax.models.weights import build_params
 

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.datastore import Datastore, open_datastore
-from specjax.drafters import registry
 from specjax.drafters.ngram import branch_tree
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft
+from specjax.drafting.trees import Chain, Tree
 from specjax.errors import RetrievalError
-from specjax.layouts import Draft
 from specjax.training.data import check_token_range
-from specjax.trees import Chain, Tree
 
 
 def _read(corpus_R, pos):

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import files
-from specjax.drafters import registry
+from specjax.drafting import registry
+from specjax.drafting.layouts import Draft, TreeLayout
+from specjax.drafting.trees import Chain
 from specjax.errors import SuffixError
-from specjax.layouts import Draft, TreeLayout
-from specjax.trees import Chain
 
 FORMAT = "specjax-suffix-store"
 MANIFEST = "manifest.json"

@@ -17,7 +17,7 @@ from specjax.errors import TrainingConfigError
 
 
 def _head_settings(method: str) -> type:
-    from specjax.drafters import registry
+    from specjax.drafting import registry
 
     if method not in registry.head_methods():
         raise TrainingConfigError(
@@ -27,14 +27,14 @@ def _head_settings(method: str) -> type:
 
 
 def _resamples(method: str) -> bool:
-    from specjax.drafters import registry
+    from specjax.drafting import registry
 
     return method in registry.head_methods() and registry.trained(method).resample is not None
 
 
 def base_config(method: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.method = method  # a drafter with trained heads: specjax.drafters.registry.head_methods()
+    c.method = method  # a drafter with trained heads: specjax.drafting.registry.head_methods()
     # The frozen target: anything run_decode.py --model takes (a model name, a Hugging Face directory, a llama2.c
     # file, a hub id) or a specjax (Orbax) checkpoint. Anything but a checkpoint is converted once into one at
     # target_checkpoint ("" = checkpoints/NAME), recorded with its source and reused while the source is unchanged.
@@ -152,7 +152,7 @@ def flatten(c) -> dict:
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises TrainingConfigError for the first setting that cannot work (before anything is loaded)."""
-    from specjax.drafters.registry import head_methods
+    from specjax.drafting.registry import head_methods
 
     flat = flatten(c)
 

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax import files, heads, pair, precision, sharding
-from specjax.drafters import registry
+from specjax.drafting import registry
 from specjax.errors import NonFiniteLossError
 from specjax.models.conversion import converted
 from specjax.models.loading import load_tokenizer

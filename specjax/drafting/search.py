@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.layouts import ChainLayout, Draft, TreeLayout
+from specjax.drafting.layouts import ChainLayout, Draft, TreeLayout
 from specjax.models.llama import causal_mask
 from specjax.sampling import argmax, inverse_cdf
 

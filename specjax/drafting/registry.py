@@ -1,6 +1,6 @@
 """The drafter registry: every draft source registers its name, settings, builder and (for trained heads)
 its initialiser, loss, expansion and published layout, and `run_decode.py`, `specjax.heads`, `specjax.published`,
-`specjax.models.expand`, the trainer and the benchmarks look it up: none of them names a method.
+`specjax.expand`, the trainer and the benchmarks look it up: none of them names a method.
 
 Adding a drafter is one module that calls `register` at import; built-in modules are imported on first
 lookup (`BUILTIN`), any other module by importing it before the lookup (a test, a plugin).
@@ -62,7 +62,7 @@ class TrainedHeads:
     feature_taps(shape, target_cfg) -> the target layers whose outputs the loss's features hold before the
     final features (`specjax.models.llama.features`; none: the final features only);
     expand(shape, numpy params, expander, expansion, target_cfg) -> (params, shape) of the same heads for a
-    function-preserving expansion of the target (`specjax.models.expand.expand_heads`; None: not expandable);
+    function-preserving expansion of the target (`specjax.expand.expand_heads`; None: not expandable);
     published: its authors' layout (`Published`; None: it has none);
     settings: the dataclass that `config.heads` of a training config is made from (its fields and defaults)
     and checked against (its `RULES`: field -> (predicate, what a valid value is));

@@ -14,12 +14,12 @@ from typing import Protocol
 import jax
 from flax import nnx
 
+from specjax.drafting.trees import Chain
 from specjax.errors import DrafterError
-from specjax.trees import Chain
 
 
 class Drafter(Protocol):
-    """What the speculative loop reads of a drafter: its `shape` (a `specjax.trees` Chain, Tree or
+    """What the speculative loop reads of a drafter: its `shape` (a `specjax.drafting.trees` Chain, Tree or
     DynamicTree: depth K, node count, cache slots one round writes) and the four methods below."""
 
     @property
@@ -35,7 +35,7 @@ class Drafter(Protocol):
         (final hidden states, what its LM head reads) at the prompt tokens."""
 
     def propose(self, params, state, seq_BS: jax.Array, n_tokens_B: jax.Array, key: jax.Array):
-        """(`specjax.layouts.Draft`, state): a draft continuing `seq_BS[b, :n_tokens_B[b]]` (its last token
+        """(`specjax.drafting.layouts.Draft`, state): a draft continuing `seq_BS[b, :n_tokens_B[b]]` (its last token
         is pending, not yet in the target's cache)."""
 
     def commit(self, params, state, n_accepted_B: jax.Array, n_tokens_B: jax.Array, path_BD, feats_BDH):

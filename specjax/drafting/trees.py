@@ -1,5 +1,5 @@
 """Draft shapes: `Chain`, static `Tree` and EAGLE-2-style `DynamicTree`, each knowing its depth, node count,
-cache slots, on-device layout and how an autoregressive drafter searches it (`specjax.drafters.search`).
+cache slots, on-device layout and how an autoregressive drafter searches it (`specjax.drafting.search`).
 
 Static trees are lists of paths (Medusa's format) turned once, in numpy, into index arrays.
 
@@ -16,9 +16,9 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters import search
+from specjax.drafting import search
+from specjax.drafting.layouts import ChainLayout, TreeLayout
 from specjax.errors import TreeError
-from specjax.layouts import ChainLayout, TreeLayout
 
 
 @dataclasses.dataclass(frozen=True)

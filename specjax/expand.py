@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import heads
-from specjax.drafters import registry
+from specjax.drafting import registry
 from specjax.errors import ConfigError
 from specjax.models.config import LlamaConfig
 from specjax.models.weights import build_params

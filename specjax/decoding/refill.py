@@ -1,0 +1,332 @@
+"""Slots refilled inside the compiled loop: N prompts decoded through B slots in one `jax.jit`. When a row ends (EOS
+or its token budget) the next waiting prompt is prefilled into its slot without leaving the program, so a batch no
+longer waits for its slowest row with its other slots idle.
+
+The prompts and the outputs live in static-shape device buffers (`[N, P]`, `[N, max_new_tokens]`); a slot's
+target cache row, sequence, counters and drafter state are replaced by those of its new prompt (`put_row`). Each
+prompt's greedy output is its output decoded alone; a prompt's first token is drawn with a key of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import precision
+from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
+from specjax.decoding.prefill import prefill
+from specjax.decoding.speculative import LoopState, SpecStats, speculative_round
+from specjax.drafting.protocol import feature_taps
+from specjax.errors import DecodingError
+from specjax.models.llama import causal_mask, forward, in_out_layout
+
+
+@struct.dataclass
+class Served:
+    tokens: jax.Array  # [N, max_new_tokens] each prompt's output, 0 after its end
+    lengths: jax.Array  # [N] tokens generated per prompt (EOS included)
+    rounds: jax.Array  # [] loop iterations: target passes after the prefills
+    stats: SpecStats | None  # speculative runs: the rounds' statistics (rows: slots)
+
+
+@struct.dataclass
+class Queue:
+    """The prompts waiting and the outputs written, on device."""
+
+    next: jax.Array  # [] the first prompt not yet started
+    request_B: jax.Array  # [B] the prompt each slot serves
+    out_NT: jax.Array  # [N, max_new_tokens]
+    n_out_N: jax.Array  # [N]
+
+
+def put_row(full, row, slot, batch: int):
+    """`full` (a pytree built for `batch` rows) with slot `slot`'s part replaced by `row` (the same pytree built for
+    one row). A leaf whose leading axis is `batch` times the row's holds per-row state (a cache's rows x heads
+    too); a leaf of the row's shape is shared by the rows and kept (one slot: replaced). Any other leaf is refused
+    when the program is traced: its batch axis is not leading."""
+
+    def put(f, r):
+        if f.shape == r.shape and batch > 1:
+            return f
+        if f.ndim == 0 or f.shape[1:] != r.shape[1:] or f.shape[0] != batch * r.shape[0]:
+            raise DecodingError(
+                f"cannot refill a slot: a state array of shape {f.shape} (one row: {r.shape}) does not lead with "
+                "the batch axis; decode batch after batch instead"
+            )
+        m = r.shape[0]
+        return jax.lax.dynamic_update_slice(f, r.astype(f.dtype), (slot * m,) + (0,) * (f.ndim - 1))
+
+    return jax.tree.map(put, full, row)
+
+
+def refill(state, done_B, queue: Queue, start_row):
+    """Starts the next waiting prompt in every finished slot (`done_B`), one slot at a time: `start_row(state, slot,
+    prompt)` returns (the state with that slot running the prompt, its first token). Returns (state, queue)."""
+    n = queue.n_out_N.shape[0]
+
+    def each(b, carry):
+        def go(c):
+            state, queue = c
+            p = queue.next
+            state, first = start_row(state, b, p)
+            return state, queue.replace(
+                next=p + 1,
+                request_B=queue.request_B.at[b].set(p),
+                out_NT=queue.out_NT.at[p, 0].set(first),
+                n_out_N=queue.n_out_N.at[p].set(1),
+            )
+
+        return jax.lax.cond(done_B[b] & (carry[1].next < n), go, lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, queue.request_B.shape[0], each, (state, queue))
+
+
+def opening(tokens_NP, lengths_N, slots: int, n_new: int):
+    """(the first `slots` prompts [B, P], their lengths, their indices, an empty output buffer)."""
+    n = tokens_NP.shape[0]
+    request = jnp.arange(slots, dtype=jnp.int32)
+    return tokens_NP[:slots], lengths_N[:slots], request, jnp.zeros((n, n_new), jnp.int32)
+
+
+def one_prompt(tokens_NP, lengths_N, prompt):
+    """Prompt `prompt` as a batch of one ([1, P], [1])."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, prompt, 1)
+    return take(tokens_NP), take(lengths_N)
+
+
+def first_tokens(sampler, key, prompts_B, logits_BV):
+    """Each prompt's first token, drawn with a key of its own (the same whichever slot serves it)."""
+    return jax.vmap(lambda p, lg: sampler.sample(jax.random.fold_in(key, p), lg))(prompts_B, logits_BV)
+
+
+# --- autoregressive -------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class ARSlots:
+    cache: object
+    last_B: jax.Array  # each slot's last token (not yet in the cache)
+    pos_B: jax.Array  # tokens its prompt has generated
+    done_B: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "spec", "slots"))
+def ar_serve_compiled(cfg, graphdef, params, tokens_NP, lengths_N, key, spec: GenerateSpec, slots: int):
+    with precision.scope(spec.matmul_precision, cfg.dtype):
+        return _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots)
+
+
+def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
+    n_new, sampler, stop = spec.max_new_tokens, spec.sampler, spec.stop_id
+    k_first, k_steps = jax.random.split(key)
+
+    def begin(tokens, lengths, prompts):  # (cache, first tokens)
+        logits, cache, _ = prefill(cfg, graphdef, params, tokens, lengths, spec.cache_size)
+        return cache, first_tokens(sampler, k_first, prompts, logits)
+
+    tokens, lengths, request, out = opening(tokens_NP, lengths_N, slots, n_new)
+    cache, first = begin(tokens, lengths, request)
+    n = out.shape[0]
+    state = ARSlots(cache, first, jnp.ones((slots,), jnp.int32), (first == stop) | (n_new == 1))
+    queue = Queue(
+        jnp.int32(slots),
+        request,
+        out.at[request, 0].set(first),
+        jnp.zeros((n,), jnp.int32).at[request].set(1),
+    )
+
+    def start_row(s: ARSlots, b, prompt):
+        cache_1, first_1 = begin(*one_prompt(tokens_NP, lengths_N, prompt), prompt[None])
+        s = s.replace(
+            cache=put_row(s.cache, cache_1, b, slots),
+            last_B=s.last_B.at[b].set(first_1[0]),
+            pos_B=s.pos_B.at[b].set(1),
+            done_B=s.done_B.at[b].set((first_1[0] == stop) | (n_new == 1)),
+        )
+        return s, first_1[0]
+
+    def body(carry):
+        i, s, queue = carry
+        active = ~s.done_B
+        positions = s.cache.length[:, None]
+        logits, _, cache = forward(graphdef, params, s.last_B[:, None], positions, s.cache, causal_mask(1))
+        u = jax.random.uniform(jax.random.fold_in(k_steps, i), (slots,))
+        token = sampler.sample_with(u, logits[:, 0])
+        rows = jnp.where(active, queue.request_B, n)  # idle slots write nothing
+        pos = s.pos_B + active
+        queue = queue.replace(
+            out_NT=queue.out_NT.at[rows, s.pos_B].set(token, mode="drop"),
+            n_out_N=queue.n_out_N.at[rows].set(pos, mode="drop"),
+        )
+        done = s.done_B | (token == stop) | (pos >= n_new)
+        s = ARSlots(cache.advance(active.astype(jnp.int32)), token, pos, done)
+        s, queue = refill(s, done, queue, start_row)
+        return i + 1, s, queue
+
+    go_on = lambda carry: (
+        ~jnp.all(carry[1].done_B) | (carry[2].next < n)
+    )  # a row to run, or a prompt waiting
+    i, _, queue = jax.lax.while_loop(go_on, body, (jnp.int32(0), state, queue))
+    return Served(queue.out_NT, queue.n_out_N, i, None)
+
+
+# --- speculative ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec", "slots"))
+def speculative_serve_compiled(
+    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots: int
+):
+    with precision.scope(spec.matmul_precision, cfg.dtype):
+        args = (cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots)
+        return _speculative_serve(*args)
+
+
+def _speculative_serve(
+    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots
+):
+    n_new, stop, size = spec.max_new_tokens, spec.stop_id, spec.cache_size
+    taps = feature_taps(drafter)
+    k_first, k_rounds = jax.random.split(key)
+    tokens, lengths, request, out = opening(tokens_NP, lengths_N, slots, n_new)
+    n, width = tokens_NP.shape
+    # every round emits a token for each live slot: N x max_new_tokens rounds at most
+    round_keys = jax.random.split(k_rounds, (n * n_new, 2))
+
+    def begin(tokens_bp, lengths_b, prompts_b):  # (cache, first tokens, drafter state, sequences)
+        logits, cache, feats = prefill(cfg, graphdef, params, tokens_bp, lengths_b, size, taps)
+        first = first_tokens(spec.sampler, k_first, prompts_b, logits)
+        rows = jnp.arange(tokens_bp.shape[0])
+        seq = jnp.zeros((tokens_bp.shape[0], size), jnp.int32).at[:, :width].set(tokens_bp)
+        state = drafter.init(drafter_params, tokens_bp, lengths_b, size, feats)
+        return cache, first, state, seq.at[rows, lengths_b].set(first)
+
+    cache, first, drafter_state, seq = begin(tokens, lengths, request)
+    loop = LoopState(
+        seq_BS=seq,
+        n_tokens_B=lengths + 1,
+        done_B=(first == stop) | (n_new == 1),
+        cache=cache,
+        drafter_state=drafter_state,
+        stats=SpecStats.zeros(slots, drafter.shape.depth),
+        estimate=jnp.zeros(()) if spec.adaptive_k is None else spec.adaptive_k.zeros(),
+    )
+    queue = Queue(
+        jnp.int32(slots),
+        request,
+        out.at[request, 0].set(first),
+        jnp.zeros((n,), jnp.int32).at[request].set(1),
+    )
+    carry = (loop, lengths, queue)  # with each slot's prompt length
+
+    def harvest(loop: LoopState, start_B, queue: Queue) -> Queue:
+        """Every slot's tokens so far into its prompt's output row."""
+        idx = start_B[:, None] + jnp.arange(n_new)[None]
+        made = jnp.take_along_axis(loop.seq_BS, jnp.minimum(idx, size - 1), axis=1)
+        n_out = loop.n_tokens_B - start_B
+        made = jnp.where(jnp.arange(n_new)[None] < n_out[:, None], made, 0)
+        return queue.replace(
+            out_NT=queue.out_NT.at[queue.request_B].set(made),
+            n_out_N=queue.n_out_N.at[queue.request_B].set(n_out),
+        )
+
+    def start_row(state, b, prompt):
+        loop, start_B = state
+        tokens_1, lengths_1 = one_prompt(tokens_NP, lengths_N, prompt)
+        cache_1, first_1, drafter_1, seq_1 = begin(tokens_1, lengths_1, prompt[None])
+        loop = loop.replace(
+            seq_BS=jax.lax.dynamic_update_slice_in_dim(loop.seq_BS, seq_1, b, 0),
+            n_tokens_B=loop.n_tokens_B.at[b].set(lengths_1[0] + 1),
+            done_B=loop.done_B.at[b].set((first_1[0] == stop) | (n_new == 1)),
+            cache=put_row(loop.cache, cache_1, b, slots),
+            drafter_state=put_row(loop.drafter_state, drafter_1, b, slots),
+        )
+        return (loop, start_B.at[b].set(lengths_1[0])), first_1[0]
+
+    def body(carry):
+        loop, start_B, queue = carry
+        loop = speculative_round(
+            graphdef, params, drafter, drafter_params, spec, loop, start_B + n_new, round_keys
+        )
+        queue = harvest(loop, start_B, queue)
+        (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, start_row)
+        return loop, start_B, queue
+
+    go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)
+    loop, start_B, queue = jax.lax.while_loop(go_on, body, carry)
+    return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats)
+
+
+def job(cfg, graphdef, params, spec: GenerateSpec, slots: int, n_prompts: int, drafter, drafter_params):
+    """(the compiled function, its static and array arguments, `prepare` for its prompts, the slots), checked."""
+    if slots < 1:
+        raise DecodingError(f"a batch needs at least one slot, got batch_size={slots}")
+    slots = min(slots, n_prompts)
+    if drafter is None:
+        prep = lambda prompts: prepare(cfg, prompts, spec)
+        return ar_serve_compiled, dict(cfg=cfg, graphdef=graphdef), dict(params=params), prep, slots
+    if spec.adaptive_k is not None:
+        raise DecodingError("adaptive K does not refill slots yet: fix --k, or decode batch after batch")
+    prep = lambda prompts: prepare_speculative(cfg, drafter, prompts, spec)
+    static, arrays = (
+        dict(cfg=cfg, graphdef=graphdef, drafter=drafter),
+        dict(params=params, drafter_params=drafter_params),
+    )
+    return speculative_serve_compiled, static, arrays, prep, slots
+
+
+def serve(
+    cfg,
+    graphdef,
+    params,
+    prompts: list[list[int]],
+    spec: GenerateSpec,
+    slots: int,
+    drafter=None,
+    drafter_params=None,
+    seed: int = 0,
+) -> Served:
+    """Decodes `prompts` through `slots` rows in one compiled call, each slot taking the next prompt as its row
+    ends: AR without a drafter, speculative decoding with one (same output distribution as `generate`)."""
+    fn, static, arrays, prep, slots = job(
+        cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
+    )
+    tokens, lengths, spec = prep(prompts)
+    return fn(
+        **static, **arrays, tokens_NP=tokens, lengths_N=lengths, key=job_key(seed), spec=spec, slots=slots
+    )
+
+
+def compile_serve(
+    cfg,
+    graphdef,
+    params,
+    prompts: list[list[int]],
+    spec: GenerateSpec,
+    slots: int,
+    drafter=None,
+    drafter_params=None,
+):
+    """`serve` compiled ahead of time for the count and padded width of `prompts`: (`run(prompts, seed)`, compile
+    seconds). On one CPU the target's passes have several rows: its matrices are stored [in, out]
+    (`specjax.models.llama.in_out_layout`, as `compile_decode` does)."""
+    if jax.default_backend() == "cpu" and (drafter is not None or min(slots, len(prompts)) > 1):
+        graphdef, params = in_out_layout(graphdef, params)
+    fn, static, arrays, prep, slots = job(
+        cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
+    )
+    tokens, lengths, full_spec = prep(prompts)
+    begin = time.perf_counter()
+    args = dict(tokens_NP=tokens, lengths_N=lengths, key=job_key(0), spec=full_spec, slots=slots)
+    compiled = fn.lower(**static, **arrays, **args).compile()
+    compile_s = time.perf_counter() - begin
+
+    def run(prompts: list[list[int]], seed: int = 0) -> Served:
+        tokens, lengths, _ = prep(prompts)
+        return compiled(**arrays, tokens_NP=tokens, lengths_N=lengths, key=job_key(seed))
+
+    return run, compile_s

@@ -1,0 +1,110 @@
+"""Slots refilled inside the compiled loop (`specjax.decoding.refill`): every prompt's greedy output is its output
+decoded alone, AR and speculative; the loop runs exactly the steps of the slot schedule; sampled outputs follow
+AR's distribution (and a refill that reuses one key for every first token is caught)."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import N_SAMPLES, SMALL, first_three, peaked, two_sample_pvalue
+
+from specjax.decoding import GenerateSpec, generate, refill
+from specjax.drafters.draft_model import DraftModel, truncated_target
+from specjax.drafting import registry
+from specjax.errors import DecodingError
+from specjax.sampling import Sampler
+
+TEXTS = [
+    "Once upon a time",
+    "Tom had a red ball",
+    "Lily",
+    "One day, a little bird",
+    "The sun",
+    "A cat sat",
+    "Sam",
+]
+
+
+def schedule_steps(lengths: list[int], slots: int) -> int:
+    """The AR loop's steps when slots take prompts in order: each step every live slot emits a token; after it,
+    each finished slot (one at a time) starts the next prompt, whose first token comes from its prefill."""
+    left = [0] * slots  # tokens still to emit after the first
+    queue = list(lengths)
+    for b in range(slots):
+        left[b] = queue.pop(0) - 1
+    steps = 0
+    while any(x > 0 for x in left) or queue:
+        steps += 1
+        left = [max(x - 1, 0) for x in left]
+        for b in range(slots):
+            if left[b] == 0 and queue:
+                left[b] = queue.pop(0) - 1
+    return steps
+
+
+@pytest.fixture(scope="module")
+def story_job(stories):
+    """Seven prompts of mixed lengths, stopping at a common token (standing in for EOS, which stories260K reaches
+    later) or 40 tokens, and their greedy outputs decoded together (a ragged batch decodes each row as alone:
+    tests/test_decode.py)."""
+    prompts = [stories.tokenizer.encode(t) for t in TEXTS]
+    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+    free = np.asarray(generate(cfg, graphdef, params, prompts, GenerateSpec(40, eos_id=None)).tokens)
+    spec = GenerateSpec(40, Sampler(), eos_id=int(np.bincount(free.ravel()).argmax()))
+    ar = generate(cfg, graphdef, params, prompts, spec)
+    return prompts, spec, np.asarray(ar.tokens), np.asarray(ar.lengths)
+
+
+def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(stories, story_job):
+    prompts, spec, tokens, lengths = story_job
+    assert len(set(lengths.tolist())) > 2  # rows end at different times: slots are refilled mid-run
+    served = refill.serve(stories.cfg, stories.graphdef, stories.params, prompts, spec, slots=3)
+    np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
+    np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
+    assert int(served.rounds) == schedule_steps(lengths.tolist(), 3)
+    # batch after batch would take the sum of each batch's longest row
+    assert int(served.rounds) < sum(max(lengths[i : i + 3]) - 1 for i in range(0, len(prompts), 3))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_speculative_refill_decodes_each_prompt_as_alone(method, stories, story_job):
+    """A draft model (its own cache in the drafter state) and an EAGLE-3 head (the target's features): each slot's
+    drafter state is replaced with its new prompt's."""
+    prompts, spec, tokens, lengths = story_job
+    entry = registry.get(method)
+    drafter, dparams = entry.build(stories, entry.settings(), 3, None, Sampler())
+    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+    served = refill.serve(cfg, graphdef, params, prompts, spec, 3, drafter, dparams)
+    np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
+    np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
+    assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
+
+
+def test_sampled_refill_is_distributed_as_ar_and_a_shared_key_is_caught(monkeypatch):
+    graphdef, params = peaked(SMALL, 0)
+    sampler = Sampler(1.0)
+    prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
+    ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
+    dcfg, dgraphdef, dparams = truncated_target(SMALL, params, 1)
+    drafter = DraftModel(dcfg, dgraphdef, 2, sampler)
+    for d, dp in ((None, None), (drafter, dparams)):
+        served = refill.serve(SMALL, graphdef, params, prompts, spec, 2048, d, dp, seed=2)
+        assert two_sample_pvalue(ar, first_three(served.tokens)) > 1e-3
+    # negative control: every prompt's first token drawn with the same key
+    monkeypatch.setattr(
+        refill,
+        "first_tokens",
+        lambda s, key, prompts_B, logits: jax.vmap(lambda lg: s.sample(key, lg))(logits),
+    )
+    refill.ar_serve_compiled.clear_cache()
+    broken = refill.serve(SMALL, graphdef, params, prompts, spec, 2048, seed=2)
+    assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
+
+
+def test_refill_errors():
+    graphdef, params = peaked(SMALL, 0)
+    with pytest.raises(DecodingError, match="batch_size=0"):
+        refill.serve(SMALL, graphdef, params, [[1, 3]], GenerateSpec(3), 0)
+    shared = {"row": np.zeros((4, 3)), "odd": np.zeros((3, 2))}
+    one = {"row": np.zeros((1, 3)), "odd": np.zeros((1, 2))}
+    with pytest.raises(DecodingError, match="does not lead with the batch axis"):
+        refill.put_row(shared, one, 0, 4)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import UsageError
+
 
 def expected_tokens_per_round(a: float, k: int) -> float:
     """E[tokens per round] = (1 - a^(K+1)) / (1 - a) (K + 1 when a = 1)."""
@@ -42,7 +44,9 @@ def rounds_cdf(tokens_per_round, n: int) -> np.ndarray:
     p = np.asarray(tokens_per_round, np.float64)
     p = p / p.sum()
     if p[0] > 0:
-        raise ValueError("a round emits at least one token: tokens_per_round[0] must be 0")
+        raise UsageError(
+            "a round emits at least one token: tokens_per_round[0] must be 0 (build it with `tokens_per_round`)"
+        )
     below = np.zeros(n)  # P(r rounds emitted s tokens), s < n
     below[0] = 1.0
     cdf = np.zeros(n + 1)

@@ -14,6 +14,7 @@ from specjax.analysis import (
     rounds_cdf,
     tokens_per_round,
 )
+from specjax.errors import UsageError
 
 
 @pytest.mark.parametrize("a, k", [(0.0, 3), (0.6, 4), (0.9, 8), (1.0, 5)])
@@ -57,6 +58,8 @@ def test_rounds_until_a_row_ends_match_simulation():
             empirical, abs=5 * np.sqrt(cdf[r] * (1 - cdf[r]) / len(rounds)) + 1e-9
         )
     assert cdf[0] == 0 and cdf[n] == 1 and np.all(np.diff(cdf) >= 0)
+    with pytest.raises(UsageError, match="a round emits at least one token"):
+        rounds_cdf([0.5, 0.5], n)
 
 
 def test_a_batch_runs_until_its_slowest_row_ends():

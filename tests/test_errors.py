@@ -251,9 +251,9 @@ def test_the_library_raises_no_bare_builtin_for_a_users_mistake():
     "call, error",
     [
         (lambda: Sampler(temperature=1.0, top_p=0.0), "SamplingError"),
-        (lambda: __import__("specjax.drafting.registry").drafters.registry.get("nope"), "DrafterError"),
+        (lambda: __import__("specjax.drafting.registry").drafting.registry.get("nope"), "DrafterError"),
         (lambda: __import__("specjax.acceptance").acceptance.get("nope"), "SamplingError"),
-        (lambda: __import__("specjax.drafting.trees").trees.chain(0), "TreeError"),
+        (lambda: __import__("specjax.drafting.trees").drafting.trees.chain(0), "TreeError"),
         (
             lambda: __import__("specjax.decoding.adaptive").decoding.adaptive.AdaptiveK.parse("2,1"),
             "DrafterError",

@@ -54,10 +54,16 @@ def story_job(stories):
     return prompts, spec, np.asarray(ar.tokens), np.asarray(ar.lengths)
 
 
-def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(stories, story_job):
+@pytest.mark.parametrize("budgets", [None, [40, 12, 25, 40, 7, 30, 18]])
+def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(budgets, stories, story_job):
+    """With each prompt's own token budget too: its output is its output alone, cut at the budget."""
     prompts, spec, tokens, lengths = story_job
     assert len(set(lengths.tolist())) > 2  # rows end at different times: slots are refilled mid-run
-    served = refill.serve(stories.cfg, stories.graphdef, stories.params, prompts, spec, slots=3)
+    if budgets is not None:
+        lengths = np.minimum(lengths, budgets)
+        tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)
+    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+    served = refill.serve(cfg, graphdef, params, prompts, spec, slots=3, budgets=budgets)
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
     assert int(served.rounds) == schedule_steps(lengths.tolist(), 3)
@@ -73,7 +79,10 @@ def test_speculative_refill_decodes_each_prompt_as_alone(method, stories, story_
     entry = registry.get(method)
     drafter, dparams = entry.build(stories, entry.settings(), 3, None, Sampler())
     cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
-    served = refill.serve(cfg, graphdef, params, prompts, spec, 3, drafter, dparams)
+    budgets = [40, 12, 25, 40, 7, 30, 18]
+    lengths = np.minimum(lengths, budgets)
+    tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)
+    served = refill.serve(cfg, graphdef, params, prompts, spec, 3, drafter, dparams, budgets=budgets)
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
     assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
@@ -104,6 +113,10 @@ def test_refill_errors():
     graphdef, params = peaked(SMALL, 0)
     with pytest.raises(DecodingError, match="batch_size=0"):
         refill.serve(SMALL, graphdef, params, [[1, 3]], GenerateSpec(3), 0)
+    with pytest.raises(
+        DecodingError, match="one per prompt \\(2\\), each in 1..max_new_tokens=3; got 2 in 1..4"
+    ):
+        refill.serve(SMALL, graphdef, params, [[1, 3], [1]], GenerateSpec(3), 2, budgets=[1, 4])
     shared = {"row": np.zeros((4, 3)), "odd": np.zeros((3, 2))}
     one = {"row": np.zeros((1, 3)), "odd": np.zeros((1, 2))}
     with pytest.raises(DecodingError, match="does not lead with the batch axis"):

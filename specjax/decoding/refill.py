@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import precision
@@ -115,12 +116,14 @@ class ARSlots:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "spec", "slots"))
-def ar_serve_compiled(cfg, graphdef, params, tokens_NP, lengths_N, key, spec: GenerateSpec, slots: int):
+def ar_serve_compiled(
+    cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec: GenerateSpec, slots: int
+):
     with precision.scope(spec.matmul_precision, cfg.dtype):
-        return _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots)
+        return _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, slots)
 
 
-def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
+def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, slots):
     n_new, sampler, stop = spec.max_new_tokens, spec.sampler, spec.stop_id
     k_first, k_steps = jax.random.split(key)
 
@@ -131,7 +134,8 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
     tokens, lengths, request, out = opening(tokens_NP, lengths_N, slots, n_new)
     cache, first = begin(tokens, lengths, request)
     n = out.shape[0]
-    state = ARSlots(cache, first, jnp.ones((slots,), jnp.int32), (first == stop) | (n_new == 1))
+    ends = lambda first, prompt: (first == stop) | (budget_N[prompt] <= 1)  # at its first token
+    state = ARSlots(cache, first, jnp.ones((slots,), jnp.int32), ends(first, request))
     queue = Queue(
         jnp.int32(slots),
         request,
@@ -145,7 +149,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
             cache=put_row(s.cache, cache_1, b, slots),
             last_B=s.last_B.at[b].set(first_1[0]),
             pos_B=s.pos_B.at[b].set(1),
-            done_B=s.done_B.at[b].set((first_1[0] == stop) | (n_new == 1)),
+            done_B=s.done_B.at[b].set(ends(first_1[0], prompt)),
         )
         return s, first_1[0]
 
@@ -162,7 +166,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
             out_NT=queue.out_NT.at[rows, s.pos_B].set(token, mode="drop"),
             n_out_N=queue.n_out_N.at[rows].set(pos, mode="drop"),
         )
-        done = s.done_B | (token == stop) | (pos >= n_new)
+        done = s.done_B | (token == stop) | (pos >= budget_N[queue.request_B])
         s = ARSlots(cache.advance(active.astype(jnp.int32)), token, pos, done)
         s, queue = refill(s, done, queue, start_row)
         return i + 1, s, queue
@@ -179,15 +183,16 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, key, spec, slots):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec", "slots"))
 def speculative_serve_compiled(
-    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots: int
+    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, budget_N, key, spec, slots: int
 ):
     with precision.scope(spec.matmul_precision, cfg.dtype):
-        args = (cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots)
-        return _speculative_serve(*args)
+        return _speculative_serve(
+            cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, budget_N, key, spec, slots
+        )
 
 
 def _speculative_serve(
-    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, key, spec, slots
+    cfg, graphdef, params, drafter, drafter_params, tokens_NP, lengths_N, budget_N, key, spec, slots
 ):
     n_new, stop, size = spec.max_new_tokens, spec.stop_id, spec.cache_size
     taps = feature_taps(drafter)
@@ -209,11 +214,11 @@ def _speculative_serve(
     loop = LoopState(
         seq_BS=seq,
         n_tokens_B=lengths + 1,
-        done_B=(first == stop) | (n_new == 1),
+        done_B=(first == stop) | (budget_N[request] <= 1),
         cache=cache,
         drafter_state=drafter_state,
         stats=SpecStats.zeros(slots, drafter.shape.depth),
-        estimate=jnp.zeros(()) if spec.adaptive_k is None else spec.adaptive_k.zeros(),
+        estimate=jnp.zeros(()),  # adaptive K is refused (`job`)
     )
     queue = Queue(
         jnp.int32(slots),
@@ -241,7 +246,7 @@ def _speculative_serve(
         loop = loop.replace(
             seq_BS=jax.lax.dynamic_update_slice_in_dim(loop.seq_BS, seq_1, b, 0),
             n_tokens_B=loop.n_tokens_B.at[b].set(lengths_1[0] + 1),
-            done_B=loop.done_B.at[b].set((first_1[0] == stop) | (n_new == 1)),
+            done_B=loop.done_B.at[b].set((first_1[0] == stop) | (budget_N[prompt] <= 1)),
             cache=put_row(loop.cache, cache_1, b, slots),
             drafter_state=put_row(loop.drafter_state, drafter_1, b, slots),
         )
@@ -250,7 +255,14 @@ def _speculative_serve(
     def body(carry):
         loop, start_B, queue = carry
         loop = speculative_round(
-            graphdef, params, drafter, drafter_params, spec, loop, start_B + n_new, round_keys
+            graphdef,
+            params,
+            drafter,
+            drafter_params,
+            spec,
+            loop,
+            start_B + budget_N[queue.request_B],
+            round_keys,
         )
         queue = harvest(loop, start_B, queue)
         (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, start_row)
@@ -261,22 +273,46 @@ def _speculative_serve(
     return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats)
 
 
+def token_budgets(budgets, n_prompts: int, max_new: int) -> np.ndarray:
+    """[N] each prompt's token budget (None: `max_new_tokens` for every prompt), checked before any compile."""
+    if budgets is None:
+        return np.full(n_prompts, max_new, np.int32)
+    out = np.asarray(budgets, np.int32)
+    if out.shape != (n_prompts,) or out.min() < 1 or out.max() > max_new:
+        raise DecodingError(
+            f"token budgets must be one per prompt ({n_prompts}), each in 1..max_new_tokens={max_new}; "
+            f"got {len(out)} in {out.min()}..{out.max()}"
+        )
+    return out
+
+
 def job(cfg, graphdef, params, spec: GenerateSpec, slots: int, n_prompts: int, drafter, drafter_params):
-    """(the compiled function, its static and array arguments, `prepare` for its prompts, the slots), checked."""
+    """(the compiled function, its static and array arguments, `prep(prompts, budgets)` -> the job's arrays and
+    spec, the slots), checked."""
     if slots < 1:
         raise DecodingError(f"a batch needs at least one slot, got batch_size={slots}")
     slots = min(slots, n_prompts)
-    if drafter is None:
-        prep = lambda prompts: prepare(cfg, prompts, spec)
-        return ar_serve_compiled, dict(cfg=cfg, graphdef=graphdef), dict(params=params), prep, slots
-    if spec.adaptive_k is not None:
+    if drafter is not None and spec.adaptive_k is not None:
         raise DecodingError("adaptive K does not refill slots yet: fix --k, or decode batch after batch")
-    prep = lambda prompts: prepare_speculative(cfg, drafter, prompts, spec)
-    static, arrays = (
-        dict(cfg=cfg, graphdef=graphdef, drafter=drafter),
+
+    def prep(prompts, budgets):
+        if drafter is None:
+            tokens, lengths, full = prepare(cfg, prompts, spec)
+        else:
+            tokens, lengths, full = prepare_speculative(cfg, drafter, prompts, spec)
+        budget = token_budgets(budgets, len(prompts), spec.max_new_tokens)
+        return dict(tokens_NP=tokens, lengths_N=lengths, budget_N=budget), full
+
+    if drafter is None:
+        return ar_serve_compiled, dict(cfg=cfg, graphdef=graphdef), dict(params=params), prep, slots
+    static = dict(cfg=cfg, graphdef=graphdef, drafter=drafter)
+    return (
+        speculative_serve_compiled,
+        static,
         dict(params=params, drafter_params=drafter_params),
+        prep,
+        slots,
     )
-    return speculative_serve_compiled, static, arrays, prep, slots
 
 
 def serve(
@@ -289,16 +325,16 @@ def serve(
     drafter=None,
     drafter_params=None,
     seed: int = 0,
+    budgets=None,
 ) -> Served:
     """Decodes `prompts` through `slots` rows in one compiled call, each slot taking the next prompt as its row
-    ends: AR without a drafter, speculative decoding with one (same output distribution as `generate`)."""
+    ends (EOS, or its token budget: `budgets[i]` <= max_new_tokens, default that): AR without a drafter,
+    speculative decoding with one (same output distribution as `generate`)."""
     fn, static, arrays, prep, slots = job(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
     )
-    tokens, lengths, spec = prep(prompts)
-    return fn(
-        **static, **arrays, tokens_NP=tokens, lengths_N=lengths, key=job_key(seed), spec=spec, slots=slots
-    )
+    job_arrays, spec = prep(prompts, budgets)
+    return fn(**static, **arrays, **job_arrays, key=job_key(seed), spec=spec, slots=slots)
 
 
 def compile_serve(
@@ -311,22 +347,22 @@ def compile_serve(
     drafter=None,
     drafter_params=None,
 ):
-    """`serve` compiled ahead of time for the count and padded width of `prompts`: (`run(prompts, seed)`, compile
-    seconds). On one CPU the target's passes have several rows: its matrices are stored [in, out]
+    """`serve` compiled ahead of time for the count and padded width of `prompts`: (`run(prompts, seed, budgets)`,
+    compile seconds). On one CPU the target's passes have several rows: its matrices are stored [in, out]
     (`specjax.models.llama.in_out_layout`, as `compile_decode` does)."""
     if jax.default_backend() == "cpu" and (drafter is not None or min(slots, len(prompts)) > 1):
         graphdef, params = in_out_layout(graphdef, params)
     fn, static, arrays, prep, slots = job(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
     )
-    tokens, lengths, full_spec = prep(prompts)
+    job_arrays, full_spec = prep(prompts, None)
     begin = time.perf_counter()
-    args = dict(tokens_NP=tokens, lengths_N=lengths, key=job_key(0), spec=full_spec, slots=slots)
-    compiled = fn.lower(**static, **arrays, **args).compile()
+    compiled = fn.lower(
+        **static, **arrays, **job_arrays, key=job_key(0), spec=full_spec, slots=slots
+    ).compile()
     compile_s = time.perf_counter() - begin
 
-    def run(prompts: list[list[int]], seed: int = 0) -> Served:
-        tokens, lengths, _ = prep(prompts)
-        return compiled(**arrays, tokens_NP=tokens, lengths_N=lengths, key=job_key(seed))
+    def run(prompts: list[list[int]], seed: int = 0, budgets=None) -> Served:
+        return compiled(**arrays, **prep(prompts, budgets)[0], key=job_key(seed))
 
     return run, compile_s

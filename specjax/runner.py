@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from specjax import sharding
-from specjax.decoding import GenerateSpec, compile_decode, refill
+from specjax.decoding import GenerateSpec, compile_decode
+from specjax.decoding.refill import compile_serve
 from specjax.errors import DecodingError
 from specjax.models.loading import LoadedModel
 
@@ -22,6 +23,12 @@ def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
         if not text.strip():
             raise DecodingError(f"prompt {i} is empty; give some text to continue")
     return [tokenizer.encode(t) for t in texts]
+
+
+def continuation(tokenizer, prompt: list[int], new_tokens) -> str:
+    """The text `new_tokens` add to `prompt` (decoded together: a token's text can depend on the one before)."""
+    full = tokenizer.decode(prompt + list(map(int, new_tokens)))
+    return full[len(tokenizer.decode(prompt)) :]
 
 
 @dataclasses.dataclass
@@ -77,8 +84,7 @@ def decode_texts(
         stats.append(getattr(gen, "stats", None))
         tokens, lengths = gen.tokens, gen.lengths
         for row, prompt in enumerate(batch):
-            full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
-            outputs.append(full[len(model.tokenizer.decode(prompt)) :])
+            outputs.append(continuation(model.tokenizer, prompt, tokens[row, : lengths[row]]))
             new_tokens += int(lengths[row])
         if hasattr(drafter, "absorb"):  # a drafter that learns from finished outputs (suffix decoding)
             finished = [p + tokens[row, : lengths[row]].tolist() for row, p in enumerate(batch)]
@@ -96,15 +102,12 @@ def decode_refilled(model, prompts, spec, seed, slots, drafter, drafter_params, 
             "would learn nothing: drop --refill"
         )
     args = (model.cfg, model.graphdef, model.params, prompts, spec, slots, drafter, drafter_params)
-    run, compile_s = refill.compile_serve(*args)
+    run, compile_s = compile_serve(*args)
     jax.block_until_ready(run(prompts, seed))  # warm-up
     start = time.perf_counter()
     served = jax.block_until_ready(run(prompts, seed))
     run_s = time.perf_counter() - start
     tokens, lengths = np.asarray(served.tokens), np.asarray(served.lengths)
-    texts = []
-    for row, prompt in enumerate(prompts):
-        full = model.tokenizer.decode(prompt + tokens[row, : lengths[row]].tolist())
-        texts.append(full[len(model.tokenizer.decode(prompt)) :])
+    texts = [continuation(model.tokenizer, p, tokens[row, : lengths[row]]) for row, p in enumerate(prompts)]
     stats = [] if served.stats is None else [served.stats]
     return DecodeReport(texts, int(lengths.sum()), compile_s, run_s, stats)

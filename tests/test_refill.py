@@ -11,6 +11,7 @@ from specjax.decoding import GenerateSpec, generate, refill
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.drafting import registry
 from specjax.errors import DecodingError
+from specjax.runner import decode_texts
 from specjax.sampling import Sampler
 
 TEXTS = [
@@ -121,3 +122,18 @@ def test_refill_errors():
     one = {"row": np.zeros((1, 3)), "odd": np.zeros((1, 2))}
     with pytest.raises(DecodingError, match="does not lead with the batch axis"):
         refill.put_row(shared, one, 0, 4)
+
+
+def test_decode_texts_with_refill_gives_the_batch_after_batch_texts(stories):
+    """`run_decode.py --refill`: the same texts as decoding batch after batch; a mesh or a drafter that learns between
+    batches is refused."""
+    spec = GenerateSpec(12, Sampler(), eos_id=stories.cfg.eos_id)
+    batches = decode_texts(stories, TEXTS[:5], spec, batch_size=2)
+    refilled = decode_texts(stories, TEXTS[:5], spec, batch_size=2, refill=True)
+    assert refilled.texts == batches.texts and refilled.new_tokens == batches.new_tokens == 60
+    with pytest.raises(DecodingError, match="--refill runs on one device"):
+        decode_texts(stories, TEXTS, spec, batch_size=2, mesh=object(), refill=True)
+    entry = registry.get("suffix")
+    suffix, params = entry.build(stories, entry.settings(), 4, None, Sampler())
+    with pytest.raises(DecodingError, match="learns between batches"):
+        decode_texts(stories, TEXTS, spec, 0, 2, suffix, params, refill=True)

@@ -44,11 +44,11 @@ class Queue:
     n_out_N: jax.Array  # [N]
 
 
-def put_row(full, row, slot, batch: int):
+def put_row(full, row, slot, batch: int, take=True):
     """`full` (a pytree built for `batch` rows) with slot `slot`'s part replaced by `row` (the same pytree built for
-    one row). A leaf whose leading axis is `batch` times the row's holds per-row state (a cache's rows x heads
-    too); a leaf of the row's shape is shared by the rows and kept (one slot: replaced). Any other leaf is refused
-    when the program is traced: its batch axis is not leading."""
+    one row) where `take` (traced) holds, else rewritten as it was. A leaf whose leading axis is `batch` times the
+    row's holds per-row state (a cache's rows x heads too); a leaf of the row's shape is shared by the rows and kept
+    (one slot: replaced). Any other leaf is refused when the program is traced: its batch axis is not leading."""
 
     def put(f, r):
         if f.shape == r.shape and batch > 1:
@@ -58,32 +58,41 @@ def put_row(full, row, slot, batch: int):
                 f"cannot refill a slot: a state array of shape {f.shape} (one row: {r.shape}) does not lead with "
                 "the batch axis; decode batch after batch instead"
             )
-        m = r.shape[0]
-        return jax.lax.dynamic_update_slice(f, r.astype(f.dtype), (slot * m,) + (0,) * (f.ndim - 1))
+        at = (slot * r.shape[0],) + (0,) * (f.ndim - 1)
+        old = jax.lax.dynamic_slice(f, at, r.shape)
+        return jax.lax.dynamic_update_slice(f, jnp.where(take, r.astype(f.dtype), old), at)
 
     return jax.tree.map(put, full, row)
 
 
-def refill(state, done_B, queue: Queue, start_row):
-    """Starts the next waiting prompt in every finished slot (`done_B`), one slot at a time: `start_row(state, slot,
-    prompt)` returns (the state with that slot running the prompt, its first token). Returns (state, queue)."""
+def refill(state, done_B, queue: Queue, new_row, place):
+    """Starts the next waiting prompt in every finished slot (`done_B`), one slot at a time. `new_row(prompt)` ->
+    (the prompt's row of state, its first token) runs only for a slot that takes a prompt (a `lax.cond` over
+    row-sized values: the state never enters a branch, which XLA would copy whole); `place(state, slot, row, first,
+    prompt, take)` writes it where `take`. Returns (state, queue)."""
     n = queue.n_out_N.shape[0]
+    shapes = jax.eval_shape(new_row, jnp.int32(0))
+    blank = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def each(b, carry):
-        def go(c):
-            state, queue = c
-            p = queue.next
-            state, first = start_row(state, b, p)
-            return state, queue.replace(
-                next=p + 1,
-                request_B=queue.request_B.at[b].set(p),
-                out_NT=queue.out_NT.at[p, 0].set(first),
-                n_out_N=queue.n_out_N.at[p].set(1),
-            )
-
-        return jax.lax.cond(done_B[b] & (carry[1].next < n), go, lambda c: c, carry)
+        state, queue = carry
+        take = done_B[b] & (queue.next < n)
+        prompt = jnp.minimum(queue.next, n - 1)
+        row, first = jax.lax.cond(take, new_row, blank, prompt)
+        written = jnp.where(take, prompt, n)  # n: out of bounds, dropped
+        return place(state, b, row, first, prompt, take), queue.replace(
+            next=queue.next + take,
+            request_B=queue.request_B.at[b].set(jnp.where(take, prompt, queue.request_B[b])),
+            out_NT=queue.out_NT.at[written, 0].set(first, mode="drop"),
+            n_out_N=queue.n_out_N.at[written].set(1, mode="drop"),
+        )
 
     return jax.lax.fori_loop(0, queue.request_B.shape[0], each, (state, queue))
+
+
+def set_at(x_B, b, value, take):
+    """`x_B` with entry b set to `value` where `take`."""
+    return x_B.at[b].set(jnp.where(take, value, x_B[b]))
 
 
 def opening(tokens_NP, lengths_N, slots: int, n_new: int):
@@ -143,15 +152,17 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
         jnp.zeros((n,), jnp.int32).at[request].set(1),
     )
 
-    def start_row(s: ARSlots, b, prompt):
+    def new_row(prompt):
         cache_1, first_1 = begin(*one_prompt(tokens_NP, lengths_N, prompt), prompt[None])
-        s = s.replace(
-            cache=put_row(s.cache, cache_1, b, slots),
-            last_B=s.last_B.at[b].set(first_1[0]),
-            pos_B=s.pos_B.at[b].set(1),
-            done_B=s.done_B.at[b].set(ends(first_1[0], prompt)),
+        return cache_1, first_1[0]
+
+    def place(s: ARSlots, b, cache_1, first, prompt, take):
+        return ARSlots(
+            cache=put_row(s.cache, cache_1, b, slots, take),
+            last_B=set_at(s.last_B, b, first, take),
+            pos_B=set_at(s.pos_B, b, 1, take),
+            done_B=set_at(s.done_B, b, ends(first, prompt), take),
         )
-        return s, first_1[0]
 
     def body(carry):
         i, s, queue = carry
@@ -168,7 +179,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
         )
         done = s.done_B | (token == stop) | (pos >= budget_N[queue.request_B])
         s = ARSlots(cache.advance(active.astype(jnp.int32)), token, pos, done)
-        s, queue = refill(s, done, queue, start_row)
+        s, queue = refill(s, done, queue, new_row, place)
         return i + 1, s, queue
 
     go_on = lambda carry: (
@@ -239,18 +250,21 @@ def _speculative_serve(
             n_out_N=queue.n_out_N.at[queue.request_B].set(n_out),
         )
 
-    def start_row(state, b, prompt):
-        loop, start_B = state
+    def new_row(prompt):
         tokens_1, lengths_1 = one_prompt(tokens_NP, lengths_N, prompt)
         cache_1, first_1, drafter_1, seq_1 = begin(tokens_1, lengths_1, prompt[None])
+        return (cache_1, drafter_1, seq_1, lengths_1[0]), first_1[0]
+
+    def place(state, b, row, first, prompt, take):
+        (loop, start_B), (cache_1, drafter_1, seq_1, length) = state, row
         loop = loop.replace(
-            seq_BS=jax.lax.dynamic_update_slice_in_dim(loop.seq_BS, seq_1, b, 0),
-            n_tokens_B=loop.n_tokens_B.at[b].set(lengths_1[0] + 1),
-            done_B=loop.done_B.at[b].set((first_1[0] == stop) | (budget_N[prompt] <= 1)),
-            cache=put_row(loop.cache, cache_1, b, slots),
-            drafter_state=put_row(loop.drafter_state, drafter_1, b, slots),
+            seq_BS=put_row(loop.seq_BS, seq_1, b, slots, take),
+            n_tokens_B=set_at(loop.n_tokens_B, b, length + 1, take),
+            done_B=set_at(loop.done_B, b, (first == stop) | (budget_N[prompt] <= 1), take),
+            cache=put_row(loop.cache, cache_1, b, slots, take),
+            drafter_state=put_row(loop.drafter_state, drafter_1, b, slots, take),
         )
-        return (loop, start_B.at[b].set(lengths_1[0])), first_1[0]
+        return loop, set_at(start_B, b, length, take)
 
     def body(carry):
         loop, start_B, queue = carry
@@ -265,7 +279,7 @@ def _speculative_serve(
             round_keys,
         )
         queue = harvest(loop, start_B, queue)
-        (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, start_row)
+        (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, new_row, place)
         return loop, start_B, queue
 
     go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)

@@ -68,8 +68,9 @@ def put_row(full, row, slot, batch: int, take=True):
 def refill(state, done_B, queue: Queue, new_row, place):
     """Starts the next waiting prompt in every finished slot (`done_B`), one slot at a time. `new_row(prompt)` ->
     (the prompt's row of state, its first token) runs only for a slot that takes a prompt (a `lax.cond` over
-    row-sized values: the state never enters a branch, which XLA would copy whole); `place(state, slot, row, first,
-    prompt, take)` writes it where `take`. Returns (state, queue)."""
+    row-sized values: the caches never pass through a branch, where XLA has copied them before, see
+    `speculative.adaptive_rounds`); `place(state, slot, row, first, prompt, take)` writes it where `take`. Returns
+    (state, queue)."""
     n = queue.n_out_N.shape[0]
     shapes = jax.eval_shape(new_row, jnp.int32(0))
     blank = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -47,6 +47,8 @@ def rounds_cdf(tokens_per_round, n: int) -> np.ndarray:
         raise UsageError(
             "a round emits at least one token: tokens_per_round[0] must be 0 (build it with `tokens_per_round`)"
         )
+    if n <= 0:
+        return np.ones(1)  # nothing to emit: done before any round
     below = np.zeros(n)  # P(r rounds emitted s tokens), s < n
     below[0] = 1.0
     cdf = np.zeros(n + 1)
@@ -57,7 +59,7 @@ def rounds_cdf(tokens_per_round, n: int) -> np.ndarray:
                 nxt[j:] += p[j] * below[: n - j]
         below = nxt
         cdf[r] = 1.0 - below.sum()
-    return cdf if n > 0 else np.ones(1)
+    return cdf
 
 
 def expected_batch_rounds(tokens_per_round_rows, n: int) -> float:

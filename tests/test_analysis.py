@@ -58,6 +58,9 @@ def test_rounds_until_a_row_ends_match_simulation():
             empirical, abs=5 * np.sqrt(cdf[r] * (1 - cdf[r]) / len(rounds)) + 1e-9
         )
     assert cdf[0] == 0 and cdf[n] == 1 and np.all(np.diff(cdf) >= 0)
+    assert (
+        rounds_cdf(p, 0).tolist() == [1.0] and expected_batch_rounds([p, p], 0) == 0
+    )  # one token: no round
     with pytest.raises(UsageError, match="a round emits at least one token"):
         rounds_cdf([0.5, 0.5], n)
 

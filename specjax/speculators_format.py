@@ -37,6 +37,7 @@ from specjax import files, published
 from specjax.drafting.protocol import target_io, target_signature
 from specjax.errors import CheckpointError, HeadsError
 from specjax.models.config import LlamaConfig
+from specjax.models.weights import read_safetensors
 
 VERSION = "0.9.0"  # the speculators release whose layout `export` writes and the tests load
 WEIGHTS = "model.safetensors"
@@ -220,22 +221,8 @@ def _renamed(t: dict, old: str, new: str) -> dict:
 
 def _read_weights(path: Path) -> tuple[dict, Path]:
     """(tensors, the file named in errors) of a speculators directory: model.safetensors or its shards."""
-    if (path / WEIGHTS).is_file():
-        return published.read_tensors(path / WEIGHTS), path / WEIGHTS
-    if not (path / INDEX).is_file():
-        raise CheckpointError(
-            f"{path} holds no {WEIGHTS} nor {INDEX}; download the checkpoint's weights there"
-        )
-    try:
-        shards = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise CheckpointError(f"{path / INDEX} is corrupt ({err}); download it again") from err
-    tensors = {}
-    for shard in shards:
-        if not (path / shard).is_file():
-            raise CheckpointError(f"{path / shard}, listed in {INDEX}, is missing; download it again")
-        tensors |= published.read_tensors(path / shard)
-    return tensors, path / INDEX
+    tensors = dict(read_safetensors(path).items())
+    return tensors, path / (INDEX if (path / INDEX).is_file() else WEIGHTS)
 
 
 def read_config(path: Path) -> tuple[dict, Kind]:

@@ -85,7 +85,10 @@ class SafetensorsFiles(Mapping):
 
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as err:
+                raise CheckpointError(f"{index} is corrupt ({err}); download it again") from err
         elif (model_dir / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
@@ -97,7 +100,7 @@ class SafetensorsFiles(Mapping):
         for name in files:
             path = model_dir / name
             if not path.exists():
-                raise CheckpointError(f"weight shard {path} named in the index is missing")
+                raise CheckpointError(f"{path}, listed in {index.name}, is missing; download it again")
             try:
                 self._handles[path] = handle = safe_open(str(path), framework="numpy")
             except Exception as err:  # safetensors raises several types on damaged files

@@ -67,7 +67,7 @@ def plan(platform: str, memory_bytes: float | None, sizes: str) -> Plan:
     every = dict(temperatures=(0.0, 1.0), batches=(1,), categories=(), kinds=mb.KINDS)
     if sizes == "smoke":
         memory = dataclasses.replace(
-            mb.SMOKE, temperatures=(0.0, 1.0), kinds=("eagle chain",), prompts=1, new_tokens=4, sweeps=False
+            mb.SMOKE, temperatures=(0.0,), kinds=("eagle chain",), prompts=1, new_tokens=4, sweeps=False
         )
         return Plan(("llama-tiny",), 8, 1, expand.SMOKE, memory)
     if platform == "cpu":

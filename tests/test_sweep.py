@@ -130,11 +130,13 @@ def test_profile_reads_device_kernels_from_a_trace(tmp_path):
 
 
 def test_device_check_smoke_writes_stamped_tables(tmp_path):
-    # float32 at smoke size is the memory-bound section of `experiments.tables --quick` (test_tables)
+    # float32 at smoke size, with its K and batch sweeps, is the memory-bound section of `experiments.tables
+    # --quick` (test_tables)
     run(
         "experiments.device_check",
         "--sizes=smoke",
         "--notests",
+        "--nosweeps",
         "--dtypes=bfloat16",
         f"--results={tmp_path}",
     )
@@ -146,9 +148,7 @@ def test_device_check_smoke_writes_stamped_tables(tmp_path):
         assert float(tiny[f"{side}_of_floor"]) == approx(floor, dtype=np.float64, depth=3) and floor > 0
     for dtype in ("bfloat16",):
         decode = read_rows(tmp_path / f"device_memory_bound_{dtype}_decode.csv")
-        assert {(r["method"], r["T"]) for r in decode} == {
-            (m, t) for m in ("AR", "eagle") for t in ("0.0", "1.0")
-        }
+        assert {(r["method"], r["T"]) for r in decode} == {("AR", "0.0"), ("eagle", "0.0")}
         assert all(float(r["tau"]) >= 1 and float(r["tok_s"]) > 0 for r in decode)
         machine = read_rows(tmp_path / f"device_memory_bound_{dtype}_machine.csv")[0]
         assert float(machine["target_weight_MB"]) > 0

@@ -38,7 +38,7 @@ def drafts(cfg, graphdef, params, k, sampler=Sampler()):  # noqa: B008 (a frozen
     ]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 5])
 @pytest.mark.parametrize("model", ["tiny", "stories"])
 def test_greedy_speculative_equals_greedy_ar(model, k, stories):
     cfg, graphdef, params, prompts, spec, ar = greedy_case(model, stories)

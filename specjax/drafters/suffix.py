@@ -253,6 +253,11 @@ class Suffix:
         return ()
 
     def propose(self, params, state, seq_BS, n_tokens_B, key):
+        return self.scored(params, seq_BS, n_tokens_B, key)[0], state
+
+    def scored(self, params, seq_BS, n_tokens_B, key):
+        """(the round's draft, [B] the tokens each row's chain expects accepted under the store's frequencies:
+        the sum of its most-frequent path's prefix probabilities; 0 for a tree)."""
         text, pending = searched_text(params["store"], seq_BS, n_tokens_B)
         n, cont, read = occurrences_of_suffix(
             text, pending, self.min_match, self.max_match, self.occurrences, self.k
@@ -262,7 +267,8 @@ class Suffix:
         )
         if self.nodes:
             tokens, parent = frequency_tree(cont, read, last, self.nodes)
-            return Draft(tokens, None, TreeLayout.from_parents(parent, self.k, self.nodes)), state
+            draft = Draft(tokens, None, TreeLayout.from_parents(parent, self.k, self.nodes))
+            return draft, jnp.zeros(n.shape, jnp.float32)
         tokens, probs, _ = frequent_path(cont, read, last, self.k)
         covered = jnp.sum(probs >= self.min_prob, axis=1)
         want = jnp.max(jnp.minimum(covered, jnp.ceil(self.spec_factor * n).astype(jnp.int32)))
@@ -272,7 +278,7 @@ class Suffix:
             uniform = jax.random.uniform(key, tokens.shape)
             tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size)
         draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, choice=choice)
-        return draft, state
+        return draft, jnp.sum(probs, axis=1).astype(jnp.float32)
 
     def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state

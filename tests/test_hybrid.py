@@ -1,0 +1,87 @@
+"""Suffix decoding with an EAGLE fallback (`specjax.drafters.hybrid`): greedy equals AR with each row's draft
+taken from the store where it expects enough accepted tokens and from EAGLE elsewhere; sampled, it is distributed
+as AR (chi-square) and a broken residual is caught; bad pairings are refused."""
+
+import numpy as np
+import pytest
+from conftest import TINY
+from helpers import N_SAMPLES, RAGGED, SMALL, TARGET, first_three, peaked, run_patched, two_sample_pvalue
+
+from specjax import heads
+from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.drafters.hybrid import Hybrid
+from specjax.drafters.suffix import Suffix, empty_store
+from specjax.errors import DrafterError
+from specjax.metrics import summarize
+from specjax.sampling import Sampler
+
+K = 3
+
+
+def eagle(cfg, params, sampler, k=K):
+    meta = heads.describe("eagle", {}, cfg)
+    graphdef, hparams = heads.new_heads(meta, cfg, params, seed=3)
+    return heads.make_drafter(meta, graphdef, cfg, k, sampler), heads.drafter_params(
+        meta, hparams, cfg, params
+    )
+
+
+def hybrid(cfg, params, sampler, stored, threshold, frequencies=False):
+    """(drafter, params): the store holds the `stored` sequences; EAGLE (random heads) falls back."""
+    suffix = Suffix(K, cfg.vocab_size, frequencies=frequencies)
+    fallback, fparams = eagle(cfg, params, sampler)
+    store = suffix.absorb(empty_store(256), stored)
+    return Hybrid(suffix, fallback, threshold), {"suffix": store, "fallback": fparams}
+
+
+def per_row_tau(gen) -> np.ndarray:
+    return np.asarray(gen.stats.emitted) / np.asarray(gen.stats.row_rounds)
+
+
+def test_greedy_equals_ar_and_each_row_drafts_from_the_better_source():
+    graphdef, params = TARGET
+    spec = GenerateSpec(40, eos_id=None)
+    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
+    stored = [RAGGED[0] + ar[0].tolist()]  # row 0's own output: the store drafts it whole
+    drafter, dparams = hybrid(TINY, params, Sampler(), stored, threshold=2.0)
+    gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, spec)
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    fallback, fparams = eagle(TINY, params, Sampler())
+    alone = speculative_generate(TINY, graphdef, params, fallback, fparams, RAGGED, spec)
+    np.testing.assert_array_equal(np.asarray(alone.tokens), ar)
+    tau, eagle_tau = per_row_tau(gen), per_row_tau(alone)
+    assert tau[0] == pytest.approx(
+        39 / np.ceil(39 / (K + 1))
+    )  # every round of row 0 drafted from the store
+    assert max(eagle_tau) < 1.5  # random heads: EAGLE alone rarely gets a token accepted
+    assert min(tau[1:]) > 1.5  # the other rows match row 0's text and their own where the store expects it
+    # control: a threshold the store never reaches drafts EAGLE's chains, with EAGLE's statistics
+    never, nparams = hybrid(TINY, params, Sampler(), stored, threshold=K + 1)
+    gen = speculative_generate(TINY, graphdef, params, never, nparams, RAGGED, spec)
+    np.testing.assert_array_equal(per_row_tau(gen), eagle_tau)
+
+
+def test_sampled_is_distributed_as_ar_and_a_broken_residual_is_caught(monkeypatch):
+    graphdef, params = peaked(SMALL, 0)
+    sampler = Sampler(1.0)
+    prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
+    ar = generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens
+    stored = [[1, 3, *row] for row in np.asarray(ar[:12]).tolist()]  # a few earlier samples of the prompt
+    drafter, dparams = hybrid(SMALL, params, sampler, stored, threshold=0.5, frequencies=True)
+    run = lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
+    gen = run()
+    assert 0.05 < summarize(gen.stats)["draft_efficiency"] < 0.95  # the test exercises rejections
+    assert two_sample_pvalue(first_three(ar), first_three(gen.tokens)) > 1e-3
+    broken = run_patched(monkeypatch, "specjax.acceptance.rejection.residual", lambda p, q: p, run)
+    assert two_sample_pvalue(first_three(ar), first_three(broken.tokens)) < 1e-6
+
+
+def test_bad_pairings_are_refused():
+    graphdef, params = TARGET
+    fallback, _ = eagle(TINY, params, Sampler(), k=K + 1)
+    with pytest.raises(DrafterError, match="drafts chains of one K"):
+        Hybrid(Suffix(K, TINY.vocab_size), fallback)
+    with pytest.raises(DrafterError, match="drafts chains of one K"):
+        Hybrid(Suffix(K + 1, TINY.vocab_size, nodes=4), fallback)
+    with pytest.raises(DrafterError, match="threshold=0"):
+        Hybrid(Suffix(K + 1, TINY.vocab_size), fallback, threshold=0)

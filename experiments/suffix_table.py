@@ -6,7 +6,8 @@
 - suffix_repeated: greedy, each prompt 4 times in a row: tau over all requests and over the 4th repetitions.
 Rows: suffix chains K = 8 (most frequent path, sized by the match; drawn from the frequencies with q where
 sampling; verifying all K), a frequency tree of 24 nodes, n-gram prompt lookup K = 8 and EAGLE-3's committed head
-(K = 7), which have no store. The store's size and the lookup's cost are in the notes.
+(K = 7), which have no store, and the hybrid of a suffix chain and that head (K = 7, `--drafter=hybrid`). The
+store's size and the lookup's cost are in the notes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from experiments import harness
 from specjax import expand
 from specjax.decoding import compile_decode
+from specjax.drafters.hybrid import HybridSettings
 from specjax.drafters.ngram import NGramSettings
 from specjax.drafters.suffix import SuffixSettings
 from specjax.drafting import registry
@@ -45,6 +47,7 @@ def drafters(quick: bool) -> list[tuple]:
         ("suffix tree, 24 nodes", "suffix", dataclasses.replace(chain, nodes=24), K, "always"),
         rows[1],
         ("EAGLE-3 chain K=7 (committed head)", "eagle3", registry.get("eagle3").settings(), 7, "always"),
+        ("hybrid: suffix chain or EAGLE-3, K=7", "hybrid", HybridSettings(store_tokens=STORE_TOKENS), 7, "always"),
     ]  # fmt: skip
 
 

@@ -1,11 +1,12 @@
-"""Suffix decoding with a fallback (SuffixDecoding's hybrid with EAGLE): each round, each row drafts the suffix
-store's chain where the store expects at least `threshold` of its tokens accepted, and the fallback drafter's
-chain (EAGLE-3, a draft model, ...) elsewhere.
+"""Suffix decoding with a fallback (`--drafter=hybrid`, SuffixDecoding's hybrid with EAGLE): each round, each row
+drafts the suffix store's chain where the store expects more of its tokens accepted than the fallback drafter
+(`--fallback`: EAGLE-3 by default, a draft model, ...) has been getting, and the fallback's chain elsewhere.
 
-The choice reads only the store's most-frequent paths (`Suffix.scored`), never a token the fallback sampled nor
-the target, so each row's draft is drawn from the distribution its q states and every acceptance rule stays exact.
-The fallback drafts every round (its state follows the committed tokens whichever draft they came from), so a
-round costs the fallback's draft, the store's lookup and one verification.
+The store's expectation (`specjax.drafters.suffix.expected_accepted`) reads only its most-frequent paths; the
+fallback's is a moving average of the draft tokens accepted in the row's rounds it drafted, starting at
+`threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the distribution its q
+states and every acceptance rule stays exact. The fallback drafts every round (its state follows the committed
+tokens whichever draft they came from): a round costs its draft, the store's lookup and one verification.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.suffix import Suffix
+from specjax.drafters.suffix import Suffix, SuffixSettings
+from specjax.drafting import registry
 from specjax.drafting.layouts import ChainLayout, Draft
 from specjax.drafting.protocol import feature_taps
 from specjax.drafting.trees import Chain
@@ -27,17 +29,21 @@ from specjax.errors import DrafterError
 class HybridState:
     suffix: object
     fallback: object
-    suffix_rounds: jax.Array  # [B] rounds whose draft came from the store
+    fallback_accepted: jax.Array  # [B] moving average of the draft tokens accepted in the fallback's rounds
+    from_store: jax.Array  # [B] bool: this round's draft is the store's
+    store_rounds: jax.Array  # [B] rounds drafted by the store
 
 
 @dataclasses.dataclass(frozen=True)
 class Hybrid:
-    """Drafter: the store's chain (`suffix`) where it expects >= `threshold` accepted tokens, else `fallback`'s
-    chain of the same K. Params: `{"suffix": the store, "fallback": the fallback's params}`."""
+    """Drafter: the store's chain (`suffix`) where it expects more accepted tokens than `fallback`'s chain of the
+    same K has had lately (a moving average with weight `decay` per round, from `threshold`), else the fallback's.
+    Params: `{"suffix": the store, "fallback": the fallback's params}`."""
 
     suffix: Suffix
     fallback: object
     threshold: float = 2.0
+    decay: float = 0.8
 
     def __post_init__(self):
         k = self.suffix.k
@@ -50,8 +56,10 @@ class Hybrid:
             raise DrafterError(
                 "the suffix hybrid cannot fall back on a drafter that reads the target's cache"
             )
-        if not self.threshold > 0:
-            raise DrafterError(f"suffix hybrid threshold={self.threshold}; pass expected tokens > 0")
+        if not (self.threshold > 0 and 0 <= self.decay < 1):
+            raise DrafterError(
+                f"suffix hybrid threshold={self.threshold}, decay={self.decay}; pass threshold > 0 and 0 <= decay < 1"
+            )
 
     @property
     def shape(self):
@@ -66,10 +74,13 @@ class Hybrid:
         self.fallback.validate(target_cfg)
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
+        rows = lengths_B.shape
         return HybridState(
             self.suffix.init(params["suffix"], tokens_BP, lengths_B, cache_size, feats_BPH),
             self.fallback.init(params["fallback"], tokens_BP, lengths_B, cache_size, feats_BPH),
-            jnp.zeros(lengths_B.shape, jnp.int32),
+            jnp.full(rows, self.threshold, jnp.float32),
+            jnp.zeros(rows, bool),
+            jnp.zeros(rows, jnp.int32),
         )
 
     def propose(self, params, state: HybridState, seq_BS, n_tokens_B, key):
@@ -78,7 +89,7 @@ class Hybrid:
         drawn, fallback_state = self.fallback.propose(
             params["fallback"], state.fallback, seq_BS, n_tokens_B, key_fallback
         )
-        use_B = expected_B >= self.threshold
+        use_B = expected_B > state.fallback_accepted
         tokens = jnp.where(use_B[:, None], stored.tokens, drawn.tokens)
         q = None
         if stored.q_probs is not None or drawn.q_probs is not None:
@@ -87,14 +98,63 @@ class Hybrid:
             )
             q = jnp.where(use_B[:, None, None], as_q(stored), as_q(drawn))
         draft = Draft(tokens, q, ChainLayout(self.suffix.k))
-        return draft, HybridState(state.suffix, fallback_state, state.suffix_rounds + use_B)
+        state = state.replace(
+            fallback=fallback_state, from_store=use_B, store_rounds=state.store_rounds + use_B
+        )
+        return draft, state
 
     def commit(self, params, state: HybridState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         fallback = self.fallback.commit(
             params["fallback"], state.fallback, n_accepted_B, n_tokens_B, path_BD, feats_BDH
         )
-        return state.replace(fallback=fallback)
+        average = self.decay * state.fallback_accepted + (1 - self.decay) * n_accepted_B
+        kept = jnp.where(state.from_store, state.fallback_accepted, average)
+        return state.replace(fallback=fallback, fallback_accepted=kept)
 
     def absorb(self, params, sequences) -> dict:
         """The params with the finished `sequences` added to the store (`Suffix.absorb`)."""
         return {**params, "suffix": self.suffix.absorb(params["suffix"], sequences)}
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSettings(SuffixSettings):
+    """The suffix drafter's settings, the fallback drafter (its own settings, e.g. `heads`, are the flags of the same
+    names) and the threshold."""
+
+    fallback: str = "eagle3"
+    fallback_threshold: float = 2.0
+    heads: str | None = None
+    HELP = SuffixSettings.HELP | dict(
+        fallback="hybrid drafter: the registered drafter that drafts where the suffix store expects too little.",
+        fallback_threshold="hybrid drafter: the fallback's accepted draft tokens per round assumed before it "
+        "has drafted (a row drafts from the store where the store expects more).",
+    )
+
+
+def build(target, settings: HybridSettings, k: int, tree, sampler):
+    if tree is not None:
+        raise DrafterError("the hybrid drafter drafts chains; drop --tree")
+    if settings.fallback in ("suffix", "hybrid"):
+        raise DrafterError(
+            f"--fallback={settings.fallback} is the store itself; name another drafter, e.g. eagle3"
+        )
+    chosen = lambda kind: kind(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(kind)})
+    suffix, store = registry.get("suffix").build(target, chosen(SuffixSettings), k, None, sampler)
+    entry = registry.get(settings.fallback)
+    own = {f.name for f in dataclasses.fields(entry.settings)}
+    given = {name: getattr(settings, name) for name in own if hasattr(settings, name)}
+    fallback, fparams = entry.build(target, entry.settings(**given), k, None, sampler)
+    drafter = Hybrid(suffix, fallback, settings.fallback_threshold)
+    return drafter, {"suffix": store, "fallback": fparams}
+
+
+def example(target, k: int, tree, sampler):
+    """The store of `Suffix`'s example with a fresh EAGLE-3 head as fallback (exactness checks)."""
+    suffix, store = registry.get("suffix").example(target, k, None, sampler)
+    fallback, fparams = registry.get("eagle3").example(target, k, None, sampler)
+    return Hybrid(suffix, fallback, threshold=1.0), {"suffix": store, "fallback": fparams}
+
+
+registry.register(
+    registry.Entry("hybrid", HybridSettings, build, help=HybridSettings.HELP, example=example)
+)

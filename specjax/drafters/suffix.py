@@ -160,6 +160,15 @@ def frequent_path(cont_BXK, read_BX, pending_B, k: int, uniform_BK=None, vocab: 
     return jnp.stack(tokens, 1), jnp.stack(probs, 1), q
 
 
+def expected_accepted(cont_BXK, read_BX, tokens_BK):
+    """[B] the tokens of each row's chain `tokens_BK` expected accepted: the sum over depths of the share of the
+    occurrences read that continue with the chain so far, counting one more occurrence that does not (one
+    occurrence alone is weak evidence: it expects K / 2 tokens)."""
+    valid = read_BX & (cont_BXK[:, :, 0] >= 0)
+    agree = jnp.cumprod(cont_BXK == tokens_BK[:, None, :], axis=2) & valid[:, :, None]
+    return jnp.sum(agree, axis=(1, 2)) / (jnp.sum(valid, axis=1) + 1.0)
+
+
 def frequency_tree(cont_BXK, read_BX, pending_B, nodes: int):
     """(tokens [B, N], parents [B, N + 1], root first): the `nodes` continuation prefixes of largest empirical
     probability; slots left over are the pending token under the root."""
@@ -256,8 +265,8 @@ class Suffix:
         return self.scored(params, seq_BS, n_tokens_B, key)[0], state
 
     def scored(self, params, seq_BS, n_tokens_B, key):
-        """(the round's draft, [B] the tokens each row's chain expects accepted under the store's frequencies:
-        the sum of its most-frequent path's prefix probabilities; 0 for a tree)."""
+        """(the round's draft, [B] the tokens each row's most-frequent chain expects accepted: `expected_accepted`;
+        0 for a tree)."""
         text, pending = searched_text(params["store"], seq_BS, n_tokens_B)
         n, cont, read = occurrences_of_suffix(
             text, pending, self.min_match, self.max_match, self.occurrences, self.k
@@ -274,11 +283,12 @@ class Suffix:
         want = jnp.max(jnp.minimum(covered, jnp.ceil(self.spec_factor * n).astype(jnp.int32)))
         choice = jnp.sum(jnp.asarray(self.lengths) < want)  # the shortest length >= want (the first if 0)
         q = None
+        expected = expected_accepted(cont, read, tokens)
         if self.frequencies:
             uniform = jax.random.uniform(key, tokens.shape)
             tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size)
         draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, choice=choice)
-        return draft, jnp.sum(probs, axis=1).astype(jnp.float32)
+        return draft, expected
 
     def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state

@@ -22,6 +22,7 @@ BUILTIN = (
     "dflash",
     "ngram",
     "suffix",
+    "hybrid",
     "layer_skip",
     "lookahead",
     "retrieval",

@@ -514,7 +514,16 @@ def test_typical_tree_on_a_chain_agrees_with_the_chain_rule():
 # Drafts that the tiny target rejects often show the broken control at p < 1e-20 with 4,000 samples per rule;
 # with the others (rarely rejected: the control differs only on the few rejected drafts) 4,000 samples left the
 # control inconclusive for one rule or another (p 0.003-0.2), and the default of 10,000 catches it (p < 1e-8).
-OFTEN_REJECTED = ("draft_model", "eagle3", "layer_skip", "lookahead", "ngram", "quantized", "retrieval")
+OFTEN_REJECTED = (
+    "draft_model",
+    "eagle3",
+    "hybrid",
+    "layer_skip",
+    "lookahead",
+    "ngram",
+    "quantized",
+    "retrieval",
+)
 
 
 # distill drafts with draft_model's code (a DistilledDraft is a DraftModel): its case would repeat draft_model's

@@ -31,7 +31,6 @@ class HybridState:
     fallback: object
     fallback_accepted: jax.Array  # [B] moving average of the draft tokens accepted in the fallback's rounds
     from_store: jax.Array  # [B] bool: this round's draft is the store's
-    store_rounds: jax.Array  # [B] rounds drafted by the store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +79,6 @@ class Hybrid:
             self.fallback.init(params["fallback"], tokens_BP, lengths_B, cache_size, feats_BPH),
             jnp.full(rows, self.threshold, jnp.float32),
             jnp.zeros(rows, bool),
-            jnp.zeros(rows, jnp.int32),
         )
 
     def propose(self, params, state: HybridState, seq_BS, n_tokens_B, key):
@@ -98,10 +96,7 @@ class Hybrid:
             )
             q = jnp.where(use_B[:, None, None], as_q(stored), as_q(drawn))
         draft = Draft(tokens, q, ChainLayout(self.suffix.k))
-        state = state.replace(
-            fallback=fallback_state, from_store=use_B, store_rounds=state.store_rounds + use_B
-        )
-        return draft, state
+        return draft, state.replace(fallback=fallback_state, from_store=use_B)
 
     def commit(self, params, state: HybridState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         fallback = self.fallback.commit(

@@ -91,25 +91,45 @@ def lookup_ms(drafter, dparams, seq_len: int, repeats: int = 20) -> float:
 def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
     """Repeated greedy tasks on the memory-bound expansion of stories260K (`specjax.expand`: synthetic cost,
     stories260K's distribution): each prompt's 4th request, with its 3 earlier outputs (identical under greedy: the
-    AR output absorbed 3 times) in the store, against AR; batch 1, timed in turns."""
+    AR output absorbed 3 times) in the store, against AR; batch 1, timed in turns. Rows: the suffix chains, EAGLE-3's
+    committed head (expanded with the target) and the hybrid of the two."""
+    from specjax import heads
     from specjax.decoding import GenerateSpec
+    from specjax.drafters.hybrid import Hybrid
 
-    cfg, graphdef, params = expand.expand(target.cfg, target.params, expand.Expansion())
+    e = expand.Expansion()
+    cfg, graphdef, params = expand.expand(target.cfg, target.params, e)
     spec = GenerateSpec(n_new, eos_id=None)
+    build = lambda s, k: registry.get("suffix").build(target, s, k, None, Sampler())
     settings = SuffixSettings(store_tokens=STORE_TOKENS)
+    meta, hgraph, hparams = heads.load_heads(
+        heads.COMMITTED / "stories260K_eagle3", target.cfg, target.params
+    )
+    meta, hgraph, hparams = expand.expand_heads(meta, hparams, target.cfg, cfg, params, e)
+    eagle3 = (
+        heads.make_drafter(meta, hgraph, cfg, 7, Sampler()),
+        heads.drafter_params(meta, hparams, cfg, params),
+    )
+    suffix7, store7 = build(settings, 7)
+    drafters = [  # (method, drafter, params)
+        ("suffix chain", *build(settings, K)),
+        ("suffix chain, verifies K", *build(dataclasses.replace(settings, spec_factor=float(K), min_prob=0.0), K)),
+        ("EAGLE-3 chain K=7 (committed head)", *eagle3),
+        ("hybrid: suffix chain or EAGLE-3, K=7", Hybrid(suffix7, eagle3[0]), {"suffix": store7, "fallback": eagle3[1]}),
+    ]  # fmt: skip
     ar, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, bucket=32)
     outputs = [np.asarray(ar([prompt]).tokens)[0].tolist() for prompt in prompts]
     rows = []
-    for method, chosen in (("suffix chain", settings), ("suffix chain, verifies K", dataclasses.replace(
-            settings, spec_factor=float(K), min_prob=0.0))):  # fmt: skip
-        drafter, store = registry.get("suffix").build(target, chosen, K, None, Sampler())
-        spec_run, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, drafter, store, 32)
+    for method, drafter, dparams in drafters:
+        spec_run, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, drafter, dparams, 32)
         ar_s = spec_s = 0.0
         emitted = passes = 0
         for prompt, output in zip(prompts, outputs):
-            learned = drafter.absorb(store, [prompt + output] * 3)
+            learned = (
+                drafter.absorb(dparams, [prompt + output] * 3) if hasattr(drafter, "absorb") else dparams
+            )
             gen = jax.device_get(spec_run([prompt], 0, learned))
-            assert gen.tokens[0].tolist() == output, "greedy suffix decoding differs from AR"
+            assert gen.tokens[0].tolist() == output, f"greedy {method} differs from AR"
             emitted, passes = (
                 emitted + int(np.sum(gen.stats.emitted)),
                 passes + int(np.sum(gen.stats.row_rounds)),
@@ -117,11 +137,11 @@ def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
             times = harness.interleaved_times(
                 {
                     "ar": lambda: jax.block_until_ready(ar([prompt]).tokens),
-                    "suffix": lambda: jax.block_until_ready(spec_run([prompt], 0, learned).tokens),
+                    "spec": lambda: jax.block_until_ready(spec_run([prompt], 0, learned).tokens),
                 },
                 repeats,
             )
-            ar_s, spec_s = ar_s + np.median(times["ar"]), spec_s + np.median(times["suffix"])
+            ar_s, spec_s = ar_s + np.median(times["ar"]), spec_s + np.median(times["spec"])
         rows.append(
             dict(method=method, tau=emitted / passes, ar_tok_s=len(prompts) * n_new / ar_s)
             | dict(tok_s=len(prompts) * n_new / spec_s, speedup=ar_s / spec_s)

@@ -2,9 +2,11 @@
 drafts the suffix store's chain where the store expects more of its tokens accepted than the fallback drafter
 (`--fallback`: EAGLE-3 by default, a draft model, ...) has been getting, and the fallback's chain elsewhere.
 
-The store's expectation (`specjax.drafters.suffix.expected_accepted`) reads only its most-frequent paths; the
-fallback's is a moving average of the draft tokens accepted in the row's rounds it drafted, starting at
-`threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the distribution its q
+The store's expectation is `specjax.drafters.suffix.expected_accepted` (read from its most-frequent paths) times a
+moving average, over the row's rounds the store drafted, of the tokens accepted over the tokens it expected
+(starting at 1: under sampling, or matched on a short suffix, the store's frequencies promise more than the target
+accepts); the fallback's is a moving average of the draft tokens accepted in the row's rounds it drafted, starting
+at `threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the distribution its q
 states and every acceptance rule stays exact. The fallback drafts every round (its state follows the committed
 tokens whichever draft they came from): a round costs its draft, the store's lookup and one verification.
 """
@@ -30,13 +32,15 @@ class HybridState:
     suffix: object
     fallback: object
     fallback_accepted: jax.Array  # [B] moving average of the draft tokens accepted in the fallback's rounds
-    from_store: jax.Array  # [B] bool: this round's draft is the store's
+    store_calibration: jax.Array  # [B] moving average of accepted / expected tokens in the store's rounds
+    expected: jax.Array  # [B] the tokens the store expected this round (0: the fallback drafted it)
 
 
 @dataclasses.dataclass(frozen=True)
 class Hybrid:
-    """Drafter: the store's chain (`suffix`) where it expects more accepted tokens than `fallback`'s chain of the
-    same K has had lately (a moving average with weight `decay` per round, from `threshold`), else the fallback's.
+    """Drafter: the store's chain (`suffix`) where it expects more accepted tokens (calibrated by its own record)
+    than `fallback`'s chain of the same K has had lately (moving averages with weight `decay` per round; the
+    fallback's from `threshold`), else the fallback's.
     Params: `{"suffix": the store, "fallback": the fallback's params}`."""
 
     suffix: Suffix
@@ -78,7 +82,8 @@ class Hybrid:
             self.suffix.init(params["suffix"], tokens_BP, lengths_B, cache_size, feats_BPH),
             self.fallback.init(params["fallback"], tokens_BP, lengths_B, cache_size, feats_BPH),
             jnp.full(rows, self.threshold, jnp.float32),
-            jnp.zeros(rows, bool),
+            jnp.ones(rows, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
         )
 
     def propose(self, params, state: HybridState, seq_BS, n_tokens_B, key):
@@ -87,7 +92,7 @@ class Hybrid:
         drawn, fallback_state = self.fallback.propose(
             params["fallback"], state.fallback, seq_BS, n_tokens_B, key_fallback
         )
-        use_B = expected_B > state.fallback_accepted
+        use_B = state.store_calibration * expected_B > state.fallback_accepted
         tokens = jnp.where(use_B[:, None], stored.tokens, drawn.tokens)
         q = None
         if stored.q_probs is not None or drawn.q_probs is not None:
@@ -96,15 +101,19 @@ class Hybrid:
             )
             q = jnp.where(use_B[:, None, None], as_q(stored), as_q(drawn))
         draft = Draft(tokens, q, ChainLayout(self.suffix.k))
-        return draft, state.replace(fallback=fallback_state, from_store=use_B)
+        return draft, state.replace(fallback=fallback_state, expected=jnp.where(use_B, expected_B, 0.0))
 
     def commit(self, params, state: HybridState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         fallback = self.fallback.commit(
             params["fallback"], state.fallback, n_accepted_B, n_tokens_B, path_BD, feats_BDH
         )
-        average = self.decay * state.fallback_accepted + (1 - self.decay) * n_accepted_B
-        kept = jnp.where(state.from_store, state.fallback_accepted, average)
-        return state.replace(fallback=fallback, fallback_accepted=kept)
+        n = n_accepted_B.astype(jnp.float32)
+        from_store = state.expected > 0
+        mix = lambda old, new: self.decay * old + (1 - self.decay) * new
+        ratio = n / jnp.maximum(state.expected, 1e-6)
+        calibration = jnp.where(from_store, mix(state.store_calibration, ratio), state.store_calibration)
+        accepted = jnp.where(from_store, state.fallback_accepted, mix(state.fallback_accepted, n))
+        return state.replace(fallback=fallback, fallback_accepted=accepted, store_calibration=calibration)
 
     def absorb(self, params, sequences) -> dict:
         """The params with the finished `sequences` added to the store (`Suffix.absorb`)."""

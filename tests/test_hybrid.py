@@ -42,9 +42,8 @@ def test_greedy_equals_ar_and_each_row_drafts_from_the_better_source():
     graphdef, params = TARGET
     spec = GenerateSpec(40, eos_id=None)
     ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
-    stored = [
-        RAGGED[0] + ar[0].tolist()
-    ] * 3  # row 0's output, 3 times: the store expects 2.25 of K = 3 tokens
+    # row 0's output, 3 times: the store expects 2.25 of its K = 3 tokens
+    stored = [RAGGED[0] + ar[0].tolist()] * 3
     drafter, dparams = hybrid(TINY, params, Sampler(), stored, threshold=2.0)
     gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, spec)
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
@@ -52,13 +51,11 @@ def test_greedy_equals_ar_and_each_row_drafts_from_the_better_source():
     alone = speculative_generate(TINY, graphdef, params, fallback, fparams, RAGGED, spec)
     np.testing.assert_array_equal(np.asarray(alone.tokens), ar)
     tau, eagle_tau = per_row_tau(gen), per_row_tau(alone)
-    assert tau[0] == pytest.approx(
-        39 / np.ceil(39 / (K + 1))
-    )  # every round of row 0 drafted from the store
+    # every round of row 0 drafted from the store
+    assert tau[0] == pytest.approx(39 / np.ceil(39 / (K + 1)))
     assert max(eagle_tau) < 1.5  # random heads: EAGLE alone rarely gets a token accepted
-    assert (
-        min(tau[1:]) > 1.2
-    )  # the other rows match row 0's text and their own once EAGLE has shown it accepts little
+    # the other rows match row 0's text and their own once EAGLE has shown it accepts little
+    assert min(tau[1:]) > 1.5
     # control: a fallback assumed to accept more than K (a memory of about 1,000 rounds) keeps the store out
     never, nparams = hybrid(TINY, params, Sampler(), stored, threshold=K + 1, decay=0.999)
     gen = speculative_generate(TINY, graphdef, params, never, nparams, RAGGED, spec)

@@ -29,7 +29,6 @@ from specjax.errors import DrafterError
 
 @struct.dataclass
 class HybridState:
-    suffix: object
     fallback: object
     fallback_accepted: jax.Array  # [B] moving average of the draft tokens accepted in the fallback's rounds
     store_calibration: jax.Array  # [B] moving average of accepted / expected tokens in the store's rounds
@@ -78,8 +77,7 @@ class Hybrid:
 
     def init(self, params, tokens_BP, lengths_B, cache_size: int, feats_BPH):
         rows = lengths_B.shape
-        return HybridState(
-            self.suffix.init(params["suffix"], tokens_BP, lengths_B, cache_size, feats_BPH),
+        return HybridState(  # the suffix drafter keeps no state
             self.fallback.init(params["fallback"], tokens_BP, lengths_B, cache_size, feats_BPH),
             jnp.full(rows, self.threshold, jnp.float32),
             jnp.ones(rows, jnp.float32),
@@ -142,8 +140,8 @@ def build(target, settings: HybridSettings, k: int, tree, sampler):
         raise DrafterError(
             f"--fallback={settings.fallback} is the store itself; name another drafter, e.g. eagle3"
         )
-    chosen = lambda kind: kind(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(kind)})
-    suffix, store = registry.get("suffix").build(target, chosen(SuffixSettings), k, None, sampler)
+    own_settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(SuffixSettings)}
+    suffix, store = registry.get("suffix").build(target, SuffixSettings(**own_settings), k, None, sampler)
     entry = registry.get(settings.fallback)
     own = {f.name for f in dataclasses.fields(entry.settings)}
     given = {name: getattr(settings, name) for name in own if hasattr(settings, name)}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import struct
 from pathlib import Path
 from typing import Protocol
 
 from specjax.errors import CheckpointError
+from specjax.hf_import import import_transformers
 
 
 class Tokenizer(Protocol):
@@ -22,21 +22,11 @@ class Tokenizer(Protocol):
         """Text of `ids` (special tokens dropped)."""
 
 
-def _without_torch_notice(record: logging.LogRecord) -> bool:
-    """transformers announces on import that PyTorch is missing, which a tokenizer does not need: that one notice is
-    dropped; every other message of the library passes."""
-    return not record.getMessage().startswith("PyTorch was not found.")
-
-
 class HFTokenizer:
     """`transformers.AutoTokenizer` from a local directory."""
 
     def __init__(self, path: Path):
-        if _without_torch_notice not in logging.getLogger("transformers").filters:
-            logging.getLogger("transformers").addFilter(_without_torch_notice)
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(str(path))
+        self._tok = import_transformers().AutoTokenizer.from_pretrained(str(path))
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
         self.eos_id = self._tok.eos_token_id

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from specjax.errors import ConfigError
+from specjax.hf_import import import_transformers
 
 # Hugging Face model types specjax loads ("gemma3": the text model of Gemma 3's multimodal checkpoints)
 SUPPORTED_MODEL_TYPES = (
@@ -263,8 +264,7 @@ def yarn_inv_freq(theta, dim, factor, beta_fast, beta_slow, original_max, trunca
 def normalized_hf(hf: dict) -> dict:
     """`hf` as transformers' own config class completes it (its defaults, `layer_types`, `rope_parameters` from
     older keys), the text model's config for Gemma 3's multimodal checkpoints."""
-    import transformers
-
+    transformers = import_transformers()
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its notes on unusual but valid configs are not ours to print
     try:

@@ -2,7 +2,6 @@
 
 import functools
 import importlib.util
-import os
 import socket
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from absl import flags
+from children import cpu_env
 from conftest import STORIES_PROMPT, TINY
 from scipy.stats import chi2_contingency
 
@@ -98,12 +98,6 @@ def run_cli(module, capsys, *args) -> str:
     finally:
         flags.FLAGS.unparse_flags()
     return capsys.readouterr().out
-
-
-def cpu_env(devices: int) -> dict:
-    """The environment of a subprocess with `devices` simulated CPU devices."""
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
 
 
 def run_processes(args: list[str], n: int = 2, devices: int = 4) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from children import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "models" / "stories260K"
@@ -44,6 +45,11 @@ STORY = "Once upon a time, there was a little {} named {}. {} liked to play in t
 def command(name: str) -> list[str]:
     kind, target = COMMANDS[name]
     return [sys.executable, target] if kind == "script" else [sys.executable, "-m", target]
+
+
+def env(name: str, **variables) -> dict:
+    """The command's environment: without PyTorch (`helpers.child_env`) but for bench_ar, which compares with it."""
+    return dict(os.environ, **variables) if name == "bench_ar" else child_env(**variables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -783,6 +789,7 @@ def batched(bad):
                 str(folder / f"{name}.out.json"),
             ],
             cwd=REPO,
+            env=env(name),
             check=True,
             timeout=600,
         )
@@ -795,7 +802,12 @@ def test_bad_input(c: Case, bad, request):
     folder, sentinels = bad
     if c.alone:
         out = subprocess.run(
-            command(c.cli) + fill(c.args, folder), cwd=REPO, capture_output=True, text=True, timeout=300
+            command(c.cli) + fill(c.args, folder),
+            cwd=REPO,
+            env=env(c.cli),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         result = {"status": out.returncode, "stderr": out.stderr}
     else:
@@ -833,7 +845,7 @@ def test_debug_shows_the_traceback(bad):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "SPECJAX_DEBUG": "1"},
+        env=env("run_decode", SPECJAX_DEBUG="1"),
     )
     assert out.returncode != 0 and "Traceback" in out.stderr and "UsageError" in out.stderr
 

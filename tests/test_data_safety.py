@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import child_env
 from flax import nnx
 
 from specjax import checkpoint, files, heads
@@ -213,6 +214,7 @@ def test_convert_cli_refuses_an_existing_directory(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "specjax.convert", "stories260K", str(tmp_path / "dest")],
         cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -395,6 +397,7 @@ def cli(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "train_heads.py", "--config=configs/medusa.py:smoke", *args],
         cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,7 +5,6 @@ environment, trains for minutes, needs a network or a GPU, ...), but every `pyth
 a script, module and config file that exist, so a renamed one fails here too."""
 
 import importlib.util
-import os
 import re
 import shlex
 import subprocess
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from children import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.S | re.M)
@@ -70,7 +70,7 @@ def test_python_blocks_run():
         f"print('--- {where} block {i}', flush=True)\nexec(compile({src!r}, '{where}', 'exec'), {{}})"
         for i, (where, src) in enumerate(code)
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT)
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
@@ -84,7 +84,7 @@ def test_shell_blocks_run():
         f"echo '--- {where} block {i}'\n{code.replace('.venv/bin/python', shlex.quote(sys.executable))}"
         for i, (where, code) in enumerate(runnable("bash"))
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT)
     run = subprocess.run(
         ["bash", "-ec", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )

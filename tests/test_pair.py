@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from children import child_env
 from helpers import cli, run_cli
 from safetensors.numpy import save_file
 
@@ -163,7 +164,11 @@ def test_the_cli_prints_one_line(stories, tmp_path, capsys):
     heads.write_meta(tmp_path / "foreign", foreign)
     args = ["--target", NAME, "--draft", str(tmp_path / "foreign")]
     out = subprocess.run(
-        [sys.executable, "-m", "specjax.pair", *args], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "specjax.pair", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
     )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and not out.stdout, out

@@ -2,14 +2,14 @@
 drafter, and clear errors for meshes that cannot hold the job."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import pytest
-from helpers import cpu_env, run_processes
+from children import cpu_env
+from helpers import run_processes
 
 from specjax import sharding
 from specjax.models.config import LlamaConfig
@@ -21,11 +21,9 @@ CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=8, n_kv_heads=8, he
 @pytest.fixture(scope="module")
 def sharded_runs():
     """Runs in its own process: the device count is fixed when JAX starts."""
-    flags = " --xla_force_host_platform_device_count=8"  # XLA_FLAGS already has conftest's compile flags
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + flags, JAX_PLATFORMS="cpu")
     out = subprocess.run(
         [sys.executable, str(REPO / "tests" / "sharded_decoding.py")],
-        env=env,
+        env=cpu_env(8),  # XLA_FLAGS already has conftest's compile flags
         capture_output=True,
         text=True,
         timeout=900,

@@ -64,19 +64,21 @@ def test_orbax_restore_onto_sharding(stories, tmp_path):
 
 
 def test_transformers_missing_torch_notice_is_dropped_and_other_messages_pass(stories):
-    """Without PyTorch (hidden from the child), loading stories260K's config and tokenizer prints nothing of
-    transformers'; importing transformers alone there prints the notice (the control); other messages pass."""
+    """Without PyTorch (hidden from the child: `children.child_env`), loading stories260K's config and tokenizer
+    prints nothing of transformers'; importing transformers alone there prints the notice (the control); other
+    messages pass."""
     import logging
     import subprocess
     import sys
 
+    from children import child_env
+
     from specjax.hf_import import import_transformers
 
-    hide_torch = "import sys; sys.modules['torch'] = None; "
     load = f"from specjax.models.loading import load_model; load_model({str(stories.path)!r})"
     quiet, control = (
         subprocess.run(
-            [sys.executable, "-c", hide_torch + code], capture_output=True, text=True, check=True
+            [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, check=True
         )
         for code in (load, "import transformers")
     )

@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import cpu_env, run_processes
+from children import child_env, cpu_env
+from helpers import run_processes
 from tolerance import LAYER_DEPTH, assert_close, assert_far, forward_depth
 
 from specjax import checkpoint, files, heads
@@ -135,6 +136,7 @@ def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
             "--config.train.log_every=1",
         ],
         cwd=REPO,
+        env=child_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -254,6 +256,7 @@ def test_clear_errors(target_dir, tmp_path, stories):
             "--config.optimizer.lrr=1",
         ],
         cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -266,6 +269,7 @@ def test_clear_errors(target_dir, tmp_path, stories):
     out = subprocess.run(
         [sys.executable, "run_decode.py", "--drafter=medusa", f"--heads={tmp_path / 'foreign'}"],
         cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import child_env
 from helpers import SMALL, greedy_case, peaked, run_patched
 from tolerance import approx, assert_close, assert_far
 
@@ -568,7 +569,7 @@ def test_bench_verification_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "experiments.bench_verification", "--smoke", f"--results={tmp_path}"]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=root, env=child_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     table = (tmp_path / "bench_verification_smoke.md").read_text()
     for rule in ("tokenwise", "block", "typical_lossy", "traversal"):

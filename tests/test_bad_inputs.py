@@ -882,6 +882,7 @@ def test_first_training_run_on_a_fresh_clone_converts_the_target(tmp_path):
             f"--config.data.source={text}",
         ],
         cwd=tmp_path,
+        env=env("train_heads"),
         capture_output=True,
         text=True,
         timeout=600,

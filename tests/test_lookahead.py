@@ -147,12 +147,3 @@ def test_registry_build_and_errors_before_compile():
         speculative_generate(
             TINY, graphdef, params, Lookahead(8, 5, 8), None, [[1] * 8], GenerateSpec(8, cache_size=64)
         )
-
-
-def test_sampling_is_exact_and_its_control_fails():
-    """Temperature 1 on the tiny target: the exact 3-token distribution (chi-square), with the no-residual
-    control caught (`specjax.verify_exactness`)."""
-    from specjax import verify_exactness
-
-    report = verify_exactness.verify("lookahead", ("tokenwise",), k=2, greedy=False)
-    assert report.passed, report.format()

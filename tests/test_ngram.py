@@ -149,7 +149,8 @@ def small():
     return peaked(SMALL, 0)
 
 
-@pytest.mark.parametrize("drafter", [NGram(2), NGram(2, branches=2)], ids=["chain", "tree"])
+# the chain is the registered example, which test_verification checks with verify_exactness
+@pytest.mark.parametrize("drafter", [NGram(2, branches=2)], ids=["tree"])
 def test_sampling_is_distributed_as_ar(small, drafter, monkeypatch):
     graphdef, params = small
     sampler = Sampler(1.0)

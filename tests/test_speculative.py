@@ -100,9 +100,8 @@ def pair():
     return (graphdef, params), truncated_target(SMALL, params, 1)
 
 
-@pytest.mark.parametrize(
-    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
-)
+# at temperature 1 without warping: test_verification's verify_exactness of draft_model, with its control
+@pytest.mark.parametrize("sampler", [Sampler(0.9, top_k=5, top_p=0.9)], ids=["topk_topp"])
 def test_speculative_sampling_is_distributed_as_ar(pair, sampler, monkeypatch):
     (graphdef, params), (dcfg, dgraphdef, dparams) = pair
     prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)

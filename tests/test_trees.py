@@ -211,9 +211,8 @@ def test_greedy_tree_speculation_equals_ar(model, stories):
             assert summarize(gen.stats)["tau"] > 0.9 * min(tree.depth + 1, 39)
 
 
-@pytest.mark.parametrize(
-    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
-)
+# warped sampling on a dynamic tree; a static tree at temperature 1, below, with the sibling control
+@pytest.mark.parametrize("sampler", [Sampler(0.9, top_k=5, top_p=0.9)], ids=["topk_topp"])
 def test_sampled_dynamic_tree_is_distributed_as_ar(sampler):
     graphdef, params = peaked(SMALL, 0)
     dgraphdef, dparams = peaked(SMALL.replace(n_layers=1), 5)
@@ -225,9 +224,7 @@ def test_sampled_dynamic_tree_is_distributed_as_ar(sampler):
     assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
 
 
-@pytest.mark.parametrize(
-    "sampler", [Sampler(1.0), Sampler(0.9, top_k=5, top_p=0.9)], ids=["plain", "topk_topp"]
-)
+@pytest.mark.parametrize("sampler", [Sampler(1.0)], ids=["plain"])
 def test_sampled_tree_speculation_is_distributed_as_ar(sampler, monkeypatch):
     graphdef, params = peaked(SMALL, 0)
     dcfg = SMALL.replace(n_layers=1)

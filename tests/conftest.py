@@ -38,31 +38,31 @@ import pytest  # noqa: E402
 from specjax.models.config import LlamaConfig  # noqa: E402
 from specjax.models.loading import load_model, resolve  # noqa: E402
 
-# The longest modules first (their seconds in a 3-worker run on 2 cores, 2026-11-25): the Makefile's
+# The longest modules first (their seconds in a 3-worker run on 2 cores, 2026-11-27): the Makefile's
 # `--dist loadscope --no-loadscope-reorder` hands whole modules to the workers in this order, so the short ones fill
 # in at the end instead of one worker finishing a long module alone (xdist's own order, by number of tests, left a
 # 100 s module to the end).
 LONGEST_FIRST = (
-    "test_tables",  # 211 s in one test (with the dflash section, 2026-11-26 evening): first, or a worker ends alone
-    "test_verification",  # 319
-    "test_training",  # 159
-    "test_trees",  # 147
-    "test_sharding",  # 143
-    "test_distill",  # 132
-    "test_adaptive_k",  # 124
-    "test_eagle3",  # 119
-    "test_speculative",  # 111
-    "test_heads",  # 108
-    "test_ngram",  # 105
-    "test_bad_inputs",  # 91
-    "test_layer_skip",  # 82
-    "test_sweep",  # 58
-    "test_model_reference",  # 53
-    "test_faults",  # 53
-    "test_retrieval",  # 52
-    "test_quantize",  # 51
-    "test_chat",  # 44
-    "test_docs",  # 38
+    "test_tables",  # 246 s in one test: first, or a worker ends alone
+    "test_verification",  # 278
+    "test_families",  # 213
+    "test_training",  # 140
+    "test_adaptive_k",  # 121
+    "test_bad_inputs",  # 116
+    "test_sharding",  # 115
+    "test_trees",  # 103
+    "test_eagle3",  # 99
+    "test_ngram",  # 97
+    "test_heads",  # 94
+    "test_dflash",  # 82
+    "test_docs",  # 77
+    "test_faults",  # 75
+    "test_layer_skip",  # 74
+    "test_suffix",  # 65
+    "test_speculative",  # 65
+    "test_distill",  # 62
+    "test_sweep",  # 61
+    "test_refill",  # 48
 )
 
 

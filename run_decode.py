@@ -74,8 +74,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "adaptive_k",
     "",
-    "Choose each round's K on device among these chain lengths, e.g. 1,2,4,8, from the acceptance so far and "
-    "round costs timed before the loop (replaces --k).",
+    "Choose each round's K on device among these chain lengths, e.g. 1,2,4,8 (0: a plain AR round), from the "
+    "acceptance so far and round costs timed before the loop (replaces --k).",
 )
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 flags.DEFINE_string(

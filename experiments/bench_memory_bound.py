@@ -610,11 +610,14 @@ def decoding_speedup(ar: list[float], spec: list[float], prefill_s: float) -> fl
 
 def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
     """({name: seconds per repetition}, {name: the last repetition's outputs per group}): AR and each
-    {name: (drafter, params)} compiled for the groups' padded width, then run in turns."""
+    {name: (drafter, params)} (or (drafter, params, its own GenerateSpec keywords)) compiled for the groups' padded
+    width, then run in turns."""
     bucket = prompt_width(groups)
     runs = {"AR": compile_job(target, groups[0], kw, bucket=bucket)}
-    for name, (drafter, dp) in drafters.items():
-        runs[name] = compile_job(target, groups[0], kw, drafter, dp, bucket=bucket)
+    for name, (drafter, dp, *own) in drafters.items():
+        runs[name] = compile_job(
+            target, groups[0], kw | (own[0] if own else {}), drafter, dp, bucket=bucket
+        )
     outputs = {}
 
     def job(name, run):
@@ -753,7 +756,10 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     """AR against EAGLE-3's chain of `chain_k` at each batch in `settings.sweep_batches` (greedy, free
     continuation, half the new tokens): tokens/s, speedup, and the prediction from the costs measured at that
     batch (a 1-token and a (K + 1)-token target pass, one head call) and the rounds until the batch's slowest row
-    ends (`specjax.analysis.batch_speedup`; `one_row_model`: the one-row model it replaces, E(a, K) / (K c + v))."""
+    ends (`specjax.analysis.batch_speedup`; `one_row_model`: the one-row model it replaces, E(a, K) / (K c + v));
+    and the same chain with each round's K chosen on device among 0 (a plain AR round), 1, 2, 4 (those below
+    `chain_k`) and `chain_k` from the round costs measured at that batch before the loop (`policy_*`; `AdaptiveK`)."""
+    from specjax.decoding import AdaptiveK
     from specjax.metrics import pooled
 
     cfg, graphdef, params = target
@@ -768,8 +774,12 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     cost = {key: min(v) for key, v in interleaved(fns, max(settings.repeats, 5)).items()}
     rows, n = [], max(settings.new_tokens // 2, 1)
     for b in settings.sweep_batches:
-        drafter = {"eagle3": make_drafter("eagle3", target, None, loaded, chain_k, None, Sampler())}
-        times, outputs = timed_runs(target, [groups[b]], dict(max_new_tokens=n), drafter, settings.repeats)
+        eagle3 = make_drafter("eagle3", target, None, loaded, chain_k, None, Sampler())
+        policy = dict(
+            adaptive_k=AdaptiveK(tuple(sorted({k for k in (0, 1, 2, 4) if k < chain_k} | {chain_k})))
+        )
+        drafters = {"eagle3": eagle3, "policy": (*eagle3, policy)}
+        times, outputs = timed_runs(target, [groups[b]], dict(max_new_tokens=n), drafters, settings.repeats)
         m = pooled([g.stats for g in outputs["eagle3"]])
         c, v = cost[(b, "head")] / cost[(b, 1)], cost[(b, chain_k + 1)] / cost[(b, 1)]
         per_round = row_distributions(outputs["eagle3"][0].stats)
@@ -785,9 +795,17 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
             | dict(
                 one_row_model=expected_tokens_per_round(m["acceptance_rate"], chain_k) / (chain_k * c + v)
             )
+            | dict(policy_tok_s=b * n / statistics.median(times["policy"]))
+            | dict(policy_speedup=harness.ratio(times["AR"], times["policy"]))
+            | dict(policy_rounds_by_k=k_counts(outputs["policy"][0].stats))
         )
         print(rows[-1], flush=True)
     return rows
+
+
+def k_counts(stats) -> str:
+    """Row-rounds by draft length K as one table cell ('K=0:12 K=4:30'), the Ks that ran."""
+    return " ".join(f"K={k}:{n}" for k, n in enumerate(np.asarray(stats.k_hist).tolist()) if n)
 
 
 def define_flags() -> None:

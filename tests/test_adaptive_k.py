@@ -1,6 +1,7 @@
 """Adaptive draft length (`AdaptiveK`): each round's K chosen on device among a few compiled Ks. Greedy output
 equals AR for every drafter, sampling stays exact (with a negative control), the choice follows the drafter's
-acceptance along the text (its histogram of K), and the degenerate single-K case is the fixed-K loop."""
+acceptance along the text (its histogram of K), K = 0 is a plain AR round taken where drafting does not pay, and the
+degenerate single-K case is the fixed-K loop."""
 
 import dataclasses
 
@@ -56,6 +57,30 @@ def test_greedy_equals_ar_with_trained_heads(stories, name, ks):
     )
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     assert (np.asarray(gen.stats.k_hist)[list(ks)] > 0).sum() >= 2, gen.stats.k_hist  # K changed
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternating(AdaptiveK):
+    """K = 0 and the largest K in turn, whatever was accepted (a scripted choice)."""
+
+    def observe(self, estimate, k, n_accepted_B, active_B):
+        return estimate.replace(choice=len(self.ks) - 1 - estimate.choice)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_ar_rounds_between_drafted_rounds_keep_the_drafters_state(stories, name):
+    """The heads' state follows the tokens a K = 0 round commits: K = 8 and plain AR rounds in turn decode as AR."""
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
+    entry = registry.get(name)
+    drafter, dparams = entry.build(stories, entry.settings(), 8, None, Sampler())
+    adaptive = Alternating((0, 8), (1.0, 1.0), prior=0.6)
+    gen = speculative_generate(
+        cfg, graphdef, params, drafter, dparams, prompts, adaptive_spec(spec, adaptive)
+    )
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    k_hist = np.asarray(gen.stats.k_hist)
+    assert k_hist[0] > 0 and k_hist[8] > 0 and k_hist.sum() == k_hist[0] + k_hist[8], k_hist
+    assert summarize(gen.stats)["tau"] > 1.5  # the drafted rounds still get their drafts accepted
 
 
 # --- the choice follows the acceptance along the text ---------------------------------------------------------
@@ -137,14 +162,21 @@ def test_choice_follows_acceptance_along_the_text(right_then_wrong):
 # --- sampling is exact ------------------------------------------------------------------------------------
 
 
-def test_sampling_is_exact_while_k_changes(monkeypatch):
+@pytest.mark.parametrize(
+    "ks, costs, prior, first, then, then_at_least",
+    [((1, 3), (1.0, 1.02), 0.1, 1, 3, 20_000), ((0, 3), (1.0, 3.8), 0.99, 3, 0, 1_000)],
+    ids=["1 then 3", "3 then AR rounds"],
+)
+def test_sampling_is_exact_while_k_changes(ks, costs, prior, first, then, then_at_least, monkeypatch):
     """The first four tokens of 20000 decodes against the target's exact distribution (chi-square): every row
-    drafts K = 1 in its first round (a pessimistic prior), then K = 3 (the measured acceptance is high)."""
+    drafts K = 1 in its first round (a pessimistic prior), then K = 3 (the measured acceptance is high); or K = 3
+    (an optimistic prior), then plain AR rounds (K = 0: at 3.8 times an AR round's cost, K = 3 does not pay at the
+    measured acceptance) in the rounds of the rows it leaves unfinished."""
     graphdef, params = peaked(SMALL, 0)
     dcfg, dgraphdef, dparams = truncated_target(SMALL, params, 1)
     sampler, n, prompt = Sampler(1.0), 20_000, [1, 3]
     exact = verify_exactness.target_distribution(SMALL, graphdef, params, prompt, sampler, 4)
-    adaptive = AdaptiveK((1, 3), costs=(1.0, 1.02), **FAST | dict(prior=0.1))
+    adaptive = AdaptiveK(ks, costs=costs, **FAST | dict(prior=prior))
     spec = GenerateSpec(4, sampler, eos_id=None, adaptive_k=adaptive)
     drafter = DraftModel(dcfg, dgraphdef, 3, sampler)
     run = lambda: speculative_generate(
@@ -153,12 +185,32 @@ def test_sampling_is_exact_while_k_changes(monkeypatch):
     counts = lambda gen: np.bincount(verify_exactness.codes(np.asarray(gen.tokens), 8), minlength=8**4)
     gen = run()
     k_hist = np.asarray(gen.stats.k_hist)
-    assert k_hist[1] == n and k_hist[3] >= n and k_hist.sum() == k_hist[1] + k_hist[3], k_hist
-    assert summarize(gen.stats)["alpha"][0] < 0.97  # rejections happen
+    assert k_hist[first] == n and k_hist[then] >= then_at_least, k_hist
+    assert k_hist.sum() == k_hist[first] + k_hist[then], k_hist
+    assert summarize(gen.stats)["acceptance_rate"] < 0.97  # rejections happen
     assert verify_exactness.goodness_of_fit(counts(gen), exact) > 1e-3
     # Negative control: resampling from p instead of the residual must be caught by the same test.
     broken = run_patched(monkeypatch, "specjax.acceptance.rejection.residual", lambda p, q: p, run)
     assert verify_exactness.goodness_of_fit(counts(broken), exact) < 1e-6
+
+
+def test_k0_is_an_ar_round_taken_where_drafts_do_not_pay(right_then_wrong):
+    """K = 0 in the set is a round of the target's token alone: greedy output unchanged; with drafts always wrong
+    (a K = 1 round costs more than the tokens it gains) every round is one, with drafts always right none is."""
+    graphdef, params = TARGET
+    spec = GenerateSpec(64, eos_id=None)
+    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
+    greedy = np.zeros((len(RAGGED), 128), np.int32)
+    for row, p in enumerate(RAGGED):
+        greedy[row, : len(p) + 64] = p + ar[row].tolist()
+    lengths = np.array([len(p) for p in RAGGED])
+    drafter = right_then_wrong.build(None, None, 8, None, None)[0]
+    job = adaptive_spec(spec, AdaptiveK((0, 1, 8), (1.0, COSTS[0], COSTS[3])))
+    for right_for, ar_rounds in ((0, 63 * 4), (1000, 0)):
+        dparams = (jnp.asarray(greedy), jnp.asarray(lengths + right_for))
+        gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, job)
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+        assert np.asarray(gen.stats.k_hist)[0] == ar_rounds, gen.stats.k_hist
 
 
 def test_one_k_is_the_fixed_k_loop():
@@ -211,8 +263,10 @@ def test_errors_before_compile():
         speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 4), params, RAGGED, spec)
     with pytest.raises(ValueError, match="NGram cannot change its draft length per round"):
         speculative_generate(TINY, graphdef, params, NGram(8), None, RAGGED, spec)
-    with pytest.raises(ValueError, match="increasing distinct integers >= 1"):
+    with pytest.raises(ValueError, match="increasing distinct integers >= 0"):
         AdaptiveK((4, 2))
+    with pytest.raises(ValueError, match="needs a K >= 1 besides 0"):
+        AdaptiveK((0,))
     with pytest.raises(ValueError, match="one positive round cost per K"):
         AdaptiveK((1, 2), costs=(1.0,))
     with pytest.raises(ValueError, match="cannot read adaptive K '1,x'"):

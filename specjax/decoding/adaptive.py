@@ -2,7 +2,9 @@
 
 The loop compiles one round per K in `ks` (`speculative.adaptive_rounds`; the caches and statistics are sized for
 the largest K) and picks one from data: the per-position acceptance rates measured so far and the measured cost
-of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`).
+of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`). K = 0 is a plain
+autoregressive round inside the same loop (one token per round, at the cost of a one-token target pass), for
+where speculation loses, as a large batch on a machine whose multi-token passes are not nearly free.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveK:
-    """Per round, the K in `ks` maximising E[tokens per round](alpha, K) / costs[K].
+    """Per round, the K in `ks` maximising E[tokens per round](alpha, K) / costs[K] (K = 0: one token).
 
     costs: per K, the time of one round (draft + verify + commit, any unit: only ratios matter). None: measured
       once before the loop by `specjax.decoding.speculative.calibrate` (a few timed rounds per K on the job's
@@ -50,10 +52,12 @@ class AdaptiveK:
 
     def __post_init__(self):
         ks = tuple(self.ks)
-        if not ks or any(not isinstance(k, int) or k < 1 for k in ks) or list(ks) != sorted(set(ks)):
+        if not ks or any(not isinstance(k, int) or k < 0 for k in ks) or list(ks) != sorted(set(ks)):
             raise DrafterError(
-                f"adaptive K needs increasing distinct integers >= 1, e.g. 1,2,4,8; got {list(ks)}"
+                f"adaptive K needs increasing distinct integers >= 0, e.g. 1,2,4,8 or 0,1,2,4,8; got {list(ks)}"
             )
+        if ks[-1] == 0:
+            raise DrafterError("adaptive K needs a K >= 1 besides 0 (K = 0 drafts nothing); e.g. 0,1,2,4")
         object.__setattr__(self, "ks", ks)
         if self.costs is not None:
             costs = tuple(float(c) for c in self.costs)
@@ -103,7 +107,8 @@ class AdaptiveK:
         """[] index into `ks` of the best K (the smaller on ties; 0 without costs or prior)."""
         if self.costs is None or self.prior is None:  # calibrating: the caller chooses
             return jnp.int32(0)
-        gain = expected_tokens_by_position(self.alpha(counts_2K))[jnp.asarray(self.ks) - 1]
+        by_k = jnp.concatenate([jnp.ones(1), expected_tokens_by_position(self.alpha(counts_2K))])
+        gain = by_k[jnp.asarray(self.ks)]
         return jnp.argmax(gain / jnp.asarray(self.costs)).astype(jnp.int32)
 
     def choose(self, estimate: Estimate):

@@ -141,13 +141,18 @@ def commit(loop: LoopState, layout, verdict: Verification, cache, spec: Generate
     )
 
 
-def speculative_round(graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys):
+def speculative_round(
+    graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, verified=None
+):
     """Draft -> verify in one target pass -> commit. `keys` [max rounds, 2]: each round's drafter and
-    acceptance-rule keys."""
+    acceptance-rule keys. `verified`: only the draft's first tokens are verified (0: a plain AR round, the drafter
+    kept in step with the committed tokens as after a rejected draft)."""
     k_draft, k_accept = keys[loop.stats.rounds]
     draft, drafter_state, cache = propose(
         drafter, drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft, loop.cache
     )
+    if verified is not None:
+        draft = draft.prefix(verified)
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
     checked = lambda d, lp: verify_and_commit(
         graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B
@@ -185,14 +190,20 @@ def adaptive_rounds(
     graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, go_on, choose
 ):
     """Rounds while `go_on(loop)`, each drafting the K in `spec.adaptive_k.ks` at index `choose(loop)`: one compiled
-    round per K (`drafter.with_k`), all sharing the loop state, each in a `lax.while_loop` that runs while the
-    choice stays its K (a round costs one test of the choice, not one per K). Loops, not the branches of a
-    `lax.switch`: XLA copied the caches into every branch but the first (rounds a third slower on stories260K),
-    while a loop updates its carry in place."""
+    round per K (`drafter.with_k`; K = 0 drafts one token and verifies none of it), all sharing the loop state, each
+    in a `lax.while_loop` that runs while the choice stays its K (a round costs one test of the choice, not one per
+    K). Loops, not the branches of a `lax.switch`: XLA copied the caches into every branch but the first (rounds a
+    third slower on stories260K), while a loop updates its carry in place."""
 
     def rounds_at(i: int, k: int):
         one = functools.partial(
-            speculative_round, graphdef, params, drafter.with_k(k), drafter_params, spec
+            speculative_round,
+            graphdef,
+            params,
+            drafter.with_k(max(k, 1)),
+            drafter_params,
+            spec,
+            verified=0 if k == 0 else None,
         )
         stay = lambda lp: go_on(lp) & (choose(lp) == i)
         return lambda lp: jax.lax.while_loop(stay, lambda lp: one(lp, limit_B, keys), lp)

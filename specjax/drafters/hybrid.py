@@ -140,12 +140,13 @@ def build(target, settings: HybridSettings, k: int, tree, sampler):
         raise DrafterError(
             f"--fallback={settings.fallback} is the store itself; name another drafter, e.g. eagle3"
         )
-    own_settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(SuffixSettings)}
-    suffix, store = registry.get("suffix").build(target, SuffixSettings(**own_settings), k, None, sampler)
+    # each part's settings: the fields of its settings class that the hybrid's settings carry
+    part = lambda kind: kind(
+        **{f.name: getattr(settings, f.name) for f in dataclasses.fields(kind) if hasattr(settings, f.name)}
+    )
+    suffix, store = registry.get("suffix").build(target, part(SuffixSettings), k, None, sampler)
     entry = registry.get(settings.fallback)
-    own = {f.name for f in dataclasses.fields(entry.settings)}
-    given = {name: getattr(settings, name) for name in own if hasattr(settings, name)}
-    fallback, fparams = entry.build(target, entry.settings(**given), k, None, sampler)
+    fallback, fparams = entry.build(target, part(entry.settings), k, None, sampler)
     drafter = Hybrid(suffix, fallback, settings.fallback_threshold)
     return drafter, {"suffix": store, "fallback": fparams}
 

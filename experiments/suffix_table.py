@@ -93,23 +93,16 @@ def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
     stories260K's distribution): each prompt's 4th request, with its 3 earlier outputs (identical under greedy: the
     AR output absorbed 3 times) in the store, against AR; batch 1, timed in turns. Rows: the suffix chains, EAGLE-3's
     committed head (expanded with the target) and the hybrid of the two."""
-    from specjax import heads
+    from experiments import bench_memory_bound as bench
     from specjax.decoding import GenerateSpec
     from specjax.drafters.hybrid import Hybrid
 
-    e = expand.Expansion()
-    cfg, graphdef, params = expand.expand(target.cfg, target.params, e)
+    _, big, _, loaded = bench.load(bench.Settings(kinds=("eagle3 chain",)))
+    cfg, graphdef, params = big
     spec = GenerateSpec(n_new, eos_id=None)
     build = lambda s, k: registry.get("suffix").build(target, s, k, None, Sampler())
     settings = SuffixSettings(store_tokens=STORE_TOKENS)
-    meta, hgraph, hparams = heads.load_heads(
-        heads.COMMITTED / "stories260K_eagle3", target.cfg, target.params
-    )
-    meta, hgraph, hparams = expand.expand_heads(meta, hparams, target.cfg, cfg, params, e)
-    eagle3 = (
-        heads.make_drafter(meta, hgraph, cfg, 7, Sampler()),
-        heads.drafter_params(meta, hparams, cfg, params),
-    )
+    eagle3 = bench.make_drafter("eagle3", big, None, loaded, 7, None, Sampler())
     suffix7, store7 = build(settings, 7)
     drafters = [  # (method, drafter, params)
         ("suffix chain", *build(settings, K)),

@@ -108,12 +108,14 @@ RESULT_WORDS = dict(passed="PASSED", failed="FAILED", errors="ERROR", skipped="S
 
 
 def run_tests(writer: harness.Writer, workers: int, timeout: float | None = None) -> dict:
-    """The suite on this device; its output goes to `device_tests.log` as it runs (a stopped run keeps the names
-    of what failed before it stopped)."""
-    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    """The suite on this device; its output goes to `device_tests.log` and each failure's report to
+    `device_failures.log` as it runs (a stopped run keeps what failed before it stopped, and why)."""
+    failures = writer.folder / "device_failures.log"
+    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SPECJAX_FAILURE_LOG": str(failures)}
     order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
     command = [sys.executable, "-m", "pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
     writer.folder.mkdir(parents=True, exist_ok=True)
+    failures.unlink(missing_ok=True)
     log = writer.folder / "device_tests.log"
     start = time.perf_counter()
     with open(log, "w") as out:  # its own process group: a stopped run leaves no worker behind

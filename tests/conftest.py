@@ -14,21 +14,30 @@ from pathlib import Path
 # module ran 3% faster without it).
 
 
-def _accelerator_plugin() -> bool:
-    """Whether a GPU or TPU plugin of JAX is installed (asked without starting JAX)."""
+def _accelerator_plugins() -> set[str]:
+    """The GPU and TPU plugins of JAX installed ("cuda", "rocm", "tpu"; asked without starting JAX)."""
     from importlib import metadata
 
     names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
-    return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
+    kinds = {"jax-cuda": "cuda", "jax-rocm": "rocm", "libtpu": "tpu"}
+    return {kind for prefix, kind in kinds.items() for n in names if n.startswith(prefix)}
 
 
+# On an NVIDIA GPU, XLA compiles several candidate kernels for each product and times them (autotuning); the suite
+# times nothing, so it takes the default kernel of each, which computes the same products. Its in-process training
+# runs as train_heads.py does, with XLA's deterministic GPU kernels (bit-identical resumes).
 if "SPECJAX_TEST_FLAGS" not in os.environ:
     os.environ["SPECJAX_TEST_FLAGS"] = "1"
-    if not _accelerator_plugin():
+    plugins = _accelerator_plugins()
+    if not plugins:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
             + " --xla_cpu_parallel_codegen_split_count=1"
+        )
+    elif plugins == {"cuda"}:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
         )
 # On an accelerator the xdist workers share one device: each takes memory as it needs it, not 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -78,6 +87,15 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 50)
+
+
+def pytest_runtest_logreport(report):
+    """Where SPECJAX_FAILURE_LOG names a file, each failure's report is appended to it as it arrives (on the
+    controlling process under xdist): a run stopped at its time limit keeps why its tests failed."""
+    path = os.environ.get("SPECJAX_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as out:
+            out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 STORIES = (

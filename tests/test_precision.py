@@ -62,7 +62,8 @@ def lower_speculative(t: LoadedModel, name: str, tree, choice: str):
     return speculative_compiled.lower(*args)
 
 
-def lower_train_step(t: LoadedModel, method: str, choice: str):
+def training_parts(t: LoadedModel, method: str, choice: str):
+    """(config, head params, the loss and the batch resampler) of `method` on `t`."""
     from specjax import heads
     from specjax.training import trainer
     from specjax.training.config import base_config
@@ -77,10 +78,16 @@ def lower_train_step(t: LoadedModel, method: str, choice: str):
     shape = trained.shape_of(config.heads, t.cfg, None)
     meta = heads.describe(method, shape, t.cfg)
     graphdef, params = heads.new_heads(meta, t.cfg, t.params, 0)
-    optimizer = trainer.make_optimizer(config.optimizer, 10)
     target_ = (t.cfg, t.graphdef, t.params)
     loss = trainer.loss_fn(meta, config, graphdef, target_)
-    resample = trainer.resampler(meta, config, graphdef, target_)
+    return config, params, loss, trainer.resampler(meta, config, graphdef, target_)
+
+
+def lower_train_step(t: LoadedModel, method: str, choice: str):
+    from specjax.training import trainer
+
+    config, params, loss, resample = training_parts(t, method, choice)
+    optimizer = trainer.make_optimizer(config.optimizer, 10)
     step = trainer.make_train_step(loss, optimizer, config, t.cfg.dtype, resample)
     tokens = jnp.ones((2, 16), jnp.int32)
     args = (
@@ -137,6 +144,18 @@ def test_float32_speculative_loop_runs_every_product_at_highest(f32, name, tree)
 @pytest.mark.parametrize("method", registry.head_methods())
 def test_float32_training_step_runs_every_product_at_highest(f32, method):
     assert set(dot_precisions(lower_train_step(f32, method, "dtype"))) == {"HIGHEST"}
+
+
+@pytest.mark.parametrize("method", registry.head_methods())
+def test_float32_head_loss_called_alone_runs_every_product_at_highest(f32, method):
+    """A head's loss outside the trainer's compiled step (a notebook, a reference test) follows its weights'
+    dtype: on a GPU a product left at the default runs as TF32 (the distilled draft's target logits once did)."""
+    _, params, loss, _ = training_parts(f32, method, "dtype")
+    tokens = jnp.ones((2, 16), jnp.int32)
+    grad = jax.grad(
+        lambda p: loss(p, f32.params, tokens, jnp.ones_like(tokens), None, jax.random.key(0))[0]
+    )
+    assert set(dot_precisions(jax.jit(grad).lower(params))) == {"HIGHEST"}
 
 
 def test_bfloat16_keeps_the_backend_default():

@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from specjax import heads
+from specjax import heads, precision
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec
 from specjax.drafters.draft_model import DraftModel
@@ -177,6 +177,7 @@ def draft_logits(cfg: LlamaConfig, graphdef, params, tokens_BT):
     return forward(graphdef, params, tokens_BT, positions, init_cache(cfg, b, t), causal_mask(t))[0]
 
 
+@precision.follows_params
 def distill_loss(graphdef, target_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, h):
     """The configured divergence between target and draft at every position whose predicted token has loss
     mask 1, plus the acceptance rates they imply (alpha_T1 = mean(1 - TVD) at T=1, alpha_T0 = argmax match)."""

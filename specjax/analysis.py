@@ -5,6 +5,7 @@ a: acceptance rate per draft token (i.i.d. model); c: cost of one draft step / o
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,11 +17,33 @@ def expected_tokens_per_round(a: float, k: int) -> float:
     return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def expected_tokens_by_position(alpha_K):
-    """[K] E[tokens per round] drafting k = 1..K tokens, when draft position i is accepted with probability
-    alpha[i] given all before it were: 1 + sum_{j<k} prod_{i<=j} alpha[i] (the formula above when alpha is
-    constant). Traceable: the adaptive-K loop calls it on device."""
-    return 1.0 + jnp.cumsum(jnp.cumprod(alpha_K))
+def tokens_per_round_moments(alpha_K):
+    """([K], [K]) the mean and variance of the tokens a round emits drafting k = 1..K tokens (accepted drafts + 1),
+    position i accepted with probability alpha[i] given all before it were. Traceable."""
+    at_least = jnp.cumprod(alpha_K)  # P(at least j drafts accepted), j = 1..K
+    j = jnp.arange(1, alpha_K.shape[0] + 1, dtype=at_least.dtype)
+    mean = jnp.cumsum(at_least)  # E[A] = sum_j P(A >= j)
+    second = jnp.cumsum((2 * j - 1) * at_least)  # E[A^2] = sum_j (2j - 1) P(A >= j)
+    return 1.0 + mean, jnp.maximum(second - mean**2, 0.0)
+
+
+def expected_rounds_to_finish(mean, var, remaining_B, points: int = 64):
+    """E[rounds until every row has emitted its `remaining_B` tokens] (rows with none left count no more) when each
+    round emits a random number of tokens of this `mean` and `var` per row, rows independent. Each row's rounds
+    are approximately normal (renewal theory: mean (m + overshoot) / mean, the last round's expected overshoot
+    past m being (E[X^2] - mean) / (2 mean) on the integers; variance m var / mean^3) and at least one while it has
+    tokens left and at most m (a round emits at least one token); the expected maximum is integrated over `points`
+    (static). Traceable: adaptive K scores each K by it inside the loop."""
+    m = remaining_B.astype(jnp.float32)
+    live = m > 0
+    nu = (m + (var + mean**2 - mean) / (2 * mean)) / mean
+    tau = jnp.sqrt(m * var / mean**3) + 1e-3  # > 0: a certain round count is a steep step
+    top = jnp.max(jnp.where(live, nu + 6 * tau, 1.0)) + 1.0
+    x = jnp.linspace(1.0, top, points)[:, None]
+    normal = jax.scipy.stats.norm.cdf((x - nu[None]) / tau[None])
+    done_by = jnp.where(live[None] & (x < m[None]), normal, 1.0)
+    after_first = jnp.trapezoid(1.0 - jnp.prod(done_by, axis=1), x[:, 0])
+    return jnp.where(live.any(), 1.0 + after_first, 0.0)
 
 
 def expected_speedup(a: float, k: int, c: float) -> float:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.analysis import expected_tokens_by_position
+from specjax.analysis import expected_rounds_to_finish, tokens_per_round_moments
 from specjax.errors import DrafterError
 
 
@@ -29,7 +29,11 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveK:
-    """Per round, the K in `ks` maximising E[tokens per round](alpha, K) / costs[K] (K = 0: one token).
+    """Per round, the K in `ks` that would finish the batch soonest if kept: E[rounds until every row has its
+    tokens](alpha, K, each row's tokens left) x costs[K] (K = 0: one token a round; `specjax.analysis`'s renewal
+    model of the rounds, whose maximum over the rows is what a batch waits for). With one row and many tokens left
+    this is the K of most tokens per unit of time; near a row's end, or where a batch waits for its slowest row, it
+    is a shorter K or K = 0.
 
     costs: per K, the time of one round (draft + verify + commit, any unit: only ratios matter). None: measured
       once before the loop by `specjax.decoding.speculative.calibrate` (a few timed rounds per K on the job's
@@ -90,10 +94,10 @@ class AdaptiveK:
     def describe(self) -> str:
         return f"adaptive K in {{{', '.join(map(str, self.ks))}}}"
 
-    def zeros(self) -> Estimate:
-        """The estimate before any round."""
+    def zeros(self, remaining_B) -> Estimate:
+        """The estimate before any round, with `remaining_B` tokens to emit in each row (0: done)."""
         counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
-        return Estimate(counts_2K, self.pick(counts_2K))
+        return Estimate(counts_2K, self.pick(counts_2K, remaining_B))
 
     def alpha(self, estimate_2K):
         """[K_max] the per-position acceptance estimate: each position's counts plus `prior_weight` pseudo
@@ -103,24 +107,31 @@ class AdaptiveK:
         pooled = (accepted.sum() + w * self.prior) / (proposed.sum() + w)
         return (accepted + w * pooled) / (proposed + w)
 
-    def pick(self, counts_2K):
-        """[] index into `ks` of the best K (the smaller on ties; 0 without costs or prior)."""
+    def pick(self, counts_2K, remaining_B):
+        """[] index into `ks` of the best K for rows with `remaining_B` tokens left (the smaller on ties; 0
+        without costs or prior)."""
         if self.costs is None or self.prior is None:  # calibrating: the caller chooses
             return jnp.int32(0)
-        by_k = jnp.concatenate([jnp.ones(1), expected_tokens_by_position(self.alpha(counts_2K))])
-        gain = by_k[jnp.asarray(self.ks)]
-        return jnp.argmax(gain / jnp.asarray(self.costs)).astype(jnp.int32)
+        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K))
+        rounds = [
+            jnp.max(remaining_B).astype(jnp.float32)
+            if k == 0
+            else expected_rounds_to_finish(mean_K[k - 1], var_K[k - 1], remaining_B)
+            for k in self.ks
+        ]
+        return jnp.argmin(jnp.stack(rounds) * jnp.asarray(self.costs)).astype(jnp.int32)
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""
         return estimate.choice
 
-    def observe(self, estimate: Estimate, k: int, n_accepted_B, active_B) -> Estimate:
-        """The estimate after a round that proposed `k` tokens to the `active_B` rows and accepted `n_accepted_B`:
-        position i was proposed with all before it accepted when n >= i (i < k), accepted when n > i."""
+    def observe(self, estimate: Estimate, k: int, n_accepted_B, active_B, remaining_B) -> Estimate:
+        """The estimate after a round that proposed `k` tokens to the `active_B` rows and accepted `n_accepted_B`,
+        leaving `remaining_B` tokens to emit: position i was proposed with all before it accepted when n >= i
+        (i < k), accepted when n > i."""
         pos = jnp.arange(self.k_max)[None]
         n = n_accepted_B[:, None]
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        return Estimate(counts_2K, self.pick(counts_2K))
+        return Estimate(counts_2K, self.pick(counts_2K, remaining_B))

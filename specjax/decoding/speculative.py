@@ -178,7 +178,13 @@ def verify_and_commit(
     loop = commit(loop, draft.layout, verdict, cache, spec, limit_B)
     if spec.adaptive_k is not None:
         loop = loop.replace(
-            estimate=spec.adaptive_k.observe(loop.estimate, depth, verdict.n_accepted, active)
+            estimate=spec.adaptive_k.observe(
+                loop.estimate,
+                depth,
+                verdict.n_accepted,
+                active,
+                jnp.where(loop.done_B, 0, limit_B - loop.n_tokens_B),
+            )
         )
     pad = ((0, 0), (0, loop.stats.depth_accepted.shape[0] - 1 - depth))  # to the largest K's depth
     path, feats = jnp.pad(verdict.path, pad), jnp.pad(verdict.features, pad + ((0, 0),))
@@ -229,14 +235,17 @@ def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, 
     round_keys = jax.random.split(key, (n_new, 2))  # every round emits a token: at most n_new rounds
     seq = jnp.zeros((batch, spec.cache_size), jnp.int32).at[:, :width].set(tokens_BP)
     seq = seq.at[jnp.arange(batch), lengths_B].set(first)
+    done = (first == spec.stop_id) | (n_new == 1)
     loop = LoopState(
         seq_BS=seq,
         n_tokens_B=lengths_B + 1,
-        done_B=(first == spec.stop_id) | (n_new == 1),
+        done_B=done,
         cache=cache,
         drafter_state=drafter.init(drafter_params, tokens_BP, lengths_B, spec.cache_size, feats),
         stats=SpecStats.zeros(batch, drafter.shape.depth),
-        estimate=jnp.zeros(()) if spec.adaptive_k is None else spec.adaptive_k.zeros(),
+        estimate=jnp.zeros(())
+        if spec.adaptive_k is None
+        else spec.adaptive_k.zeros(jnp.where(done, 0, n_new - 1)),
     )
     return loop, lengths_B + n_new, round_keys
 

@@ -42,7 +42,7 @@ flags.DEFINE_bool(
     "refill",
     False,
     "All prompts in one compiled loop of --batch_size slots, each taking the next prompt as its row ends "
-    "(one device; not with --adaptive_k or the suffix drafter).",
+    "(one device; not with the suffix drafter).",
 )
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and activation dtype.")
 flags.DEFINE_enum(

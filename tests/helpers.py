@@ -1,5 +1,6 @@
 """Test helpers shared by several test modules: models, prompts, the chi-square test, negative controls."""
 
+import dataclasses
 import functools
 import importlib.util
 import socket
@@ -13,7 +14,7 @@ from children import cpu_env
 from conftest import STORIES_PROMPT, TINY
 from scipy.stats import chi2_contingency
 
-from specjax.decoding import GenerateSpec, generate
+from specjax.decoding import AdaptiveK, GenerateSpec, generate
 from specjax.decoding.speculative import speculative_compiled
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import init_params
@@ -144,3 +145,11 @@ def assert_cached_steps_match(cfg, graphdef, params, tokens_BT, expected_BTV, de
         )
         cache = cache.advance(1)
         assert_close(step[:, 0], expected_BTV[:, i], dtype=jnp.float32, depth=depth, magnitude=magnitude)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternating(AdaptiveK):
+    """The smallest and the largest K of `ks` in turn, whatever was accepted (a scripted adaptive K)."""
+
+    def observe(self, estimate, k, n_accepted_B, active_B, remaining_B):
+        return estimate.replace(choice=len(self.ks) - 1 - estimate.choice)

@@ -9,7 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
-from helpers import RAGGED, SMALL, TARGET, cli, greedy_case, peaked, run_cli, run_patched
+from helpers import (
+    RAGGED,
+    SMALL,
+    TARGET,
+    Alternating,
+    cli,
+    greedy_case,
+    peaked,
+    run_cli,
+    run_patched,
+)
 
 from specjax import verify_exactness
 from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, speculative_generate
@@ -57,14 +67,6 @@ def test_greedy_equals_ar_with_trained_heads(stories, name, ks):
     )
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     assert (np.asarray(gen.stats.k_hist)[list(ks)] > 0).sum() >= 2, gen.stats.k_hist  # K changed
-
-
-@dataclasses.dataclass(frozen=True)
-class Alternating(AdaptiveK):
-    """K = 0 and the largest K in turn, whatever was accepted (a scripted choice)."""
-
-    def observe(self, estimate, k, n_accepted_B, active_B, remaining_B):
-        return estimate.replace(choice=len(self.ks) - 1 - estimate.choice)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
@@ -222,11 +224,15 @@ def test_k0_is_an_ar_round_taken_where_drafts_do_not_pay(right_then_wrong):
 def test_a_batch_waits_for_its_slowest_row():
     """At an acceptance of 0.75, K = 4 at 2.8 times an AR round's cost gains 3.05 tokens a round: it pays for one
     row with 32 tokens left (10.96 rounds, 30.7 AR rounds' time, exact batch model) but not for two rows (33.4 > 32:
-    the batch waits for its slower row), so K = 0 from batch 2 on, as the exact model says."""
+    the batch waits for its slower row), so K = 0 from batch 2 on, as the exact model says; with a long queue
+    behind the rows, K = 4 again."""
     adaptive = AdaptiveK((0, 4), (1.0, 2.8), prior=0.75)
     counts = jnp.zeros((2, 4))
     assert [int(adaptive.pick(counts, jnp.full(b, 32))) for b in (1, 2, 4, 16)] == [1, 0, 0, 0]
     assert int(adaptive.pick(counts, jnp.array([32, 0, 0, 0]))) == 1  # rows that are done do not count
+    # a queue behind the rows (slots refilled as they end: 200 tokens more each) is work the slowest row no longer
+    # holds up: K = 4 pays again
+    assert int(adaptive.pick(counts, jnp.full(4, 32 + 200))) == 1
 
 
 def test_one_k_is_the_fixed_k_loop():

@@ -2,10 +2,12 @@
 decoded alone, AR and speculative; the loop runs exactly the steps of the slot schedule; sampled outputs follow
 AR's distribution (and a refill that reuses one key for every first token is caught)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
-from helpers import N_SAMPLES, SMALL, first_three, peaked, two_sample_pvalue
+from helpers import N_SAMPLES, SMALL, Alternating, first_three, peaked, two_sample_pvalue
 
 from specjax.decoding import GenerateSpec, generate, refill
 from specjax.drafters.draft_model import DraftModel, truncated_target
@@ -87,6 +89,25 @@ def test_speculative_refill_decodes_each_prompt_as_alone(method, stories, story_
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
     assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
+
+
+def test_adaptive_k_refill_decodes_each_prompt_as_alone(stories, story_job):
+    """Adaptive K in the refilled loop (one round a step at the K chosen, here K = 0 and K = 4 in turn), prompts with
+    token budgets of their own: each prompt's output is its output alone."""
+    prompts, spec, tokens, lengths = story_job
+    entry = registry.get("eagle3")
+    drafter, dparams = entry.build(stories, entry.settings(), 4, None, Sampler())
+    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+    adaptive = Alternating((0, 4), (1.0, 1.0), prior=0.6)
+    job = dataclasses.replace(spec, adaptive_k=adaptive)
+    budgets = [40, 12, 25, 40, 7, 30, 18]
+    lengths = np.minimum(lengths, budgets)
+    tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)
+    served = refill.serve(cfg, graphdef, params, prompts, job, 3, drafter, dparams, budgets=budgets)
+    np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
+    np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
+    k_hist = np.asarray(served.stats.k_hist)
+    assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist
 
 
 def test_sampled_refill_is_distributed_as_ar_and_a_shared_key_is_caught(monkeypatch):

@@ -20,7 +20,13 @@ from flax import struct
 from specjax import precision
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.prefill import prefill
-from specjax.decoding.speculative import LoopState, SpecStats, speculative_round
+from specjax.decoding.speculative import (
+    LoopState,
+    SpecStats,
+    calibrate,
+    chosen_round,
+    speculative_round,
+)
 from specjax.drafting.protocol import feature_taps
 from specjax.errors import DecodingError
 from specjax.models.llama import causal_mask, forward, in_out_layout
@@ -223,14 +229,19 @@ def _speculative_serve(
         return cache, first, state, seq.at[rows, lengths_b].set(first)
 
     cache, first, drafter_state, seq = begin(tokens, lengths, request)
+    done = (first == stop) | (budget_N[request] <= 1)
+    queued = lambda next_: jnp.sum(jnp.where(jnp.arange(n) >= next_, budget_N, 0)) / slots
+    estimate = jnp.zeros(())
+    if spec.adaptive_k is not None:
+        estimate = spec.adaptive_k.zeros(jnp.where(done, 0, budget_N[request] - 1) + queued(slots))
     loop = LoopState(
         seq_BS=seq,
         n_tokens_B=lengths + 1,
-        done_B=(first == stop) | (budget_N[request] <= 1),
+        done_B=done,
         cache=cache,
         drafter_state=drafter_state,
         stats=SpecStats.zeros(slots, drafter.shape.depth),
-        estimate=jnp.zeros(()),  # adaptive K is refused (`job`)
+        estimate=estimate,
     )
     queue = Queue(
         jnp.int32(slots),
@@ -269,16 +280,11 @@ def _speculative_serve(
 
     def body(carry):
         loop, start_B, queue = carry
-        loop = speculative_round(
-            graphdef,
-            params,
-            drafter,
-            drafter_params,
-            spec,
-            loop,
-            start_B + budget_N[queue.request_B],
-            round_keys,
-        )
+        args = (graphdef, params, drafter, drafter_params, spec, loop, start_B + budget_N[queue.request_B])
+        if spec.adaptive_k is None:
+            loop = speculative_round(*args, round_keys)
+        else:  # the queue's tokens are work left too: a refilled batch does not wait for its slowest row
+            loop = chosen_round(*args, round_keys, queued(queue.next))
         queue = harvest(loop, start_B, queue)
         (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, new_row, place)
         return loop, start_B, queue
@@ -307,8 +313,6 @@ def job(cfg, graphdef, params, spec: GenerateSpec, slots: int, n_prompts: int, d
     if slots < 1:
         raise DecodingError(f"a batch needs at least one slot, got batch_size={slots}")
     slots = min(slots, n_prompts)
-    if drafter is not None and spec.adaptive_k is not None:
-        raise DecodingError("adaptive K does not refill slots yet: fix --k, or decode batch after batch")
 
     def prep(prompts, budgets):
         if drafter is None:
@@ -349,7 +353,16 @@ def serve(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
     )
     job_arrays, spec = prep(prompts, budgets)
+    spec = measured(spec, job_arrays, slots, cfg, graphdef, params, drafter, drafter_params)
     return fn(**static, **arrays, **job_arrays, key=job_key(seed), spec=spec, slots=slots)
+
+
+def measured(spec, job_arrays, slots, cfg, graphdef, params, drafter, drafter_params):
+    """`spec` with adaptive K's round costs and prior measured on the first `slots` prompts, where not given."""
+    if drafter is None:
+        return spec
+    first = {k: job_arrays[k][:slots] for k in ("tokens_NP", "lengths_N")}
+    return calibrate(cfg, graphdef, params, drafter, drafter_params, *first.values(), spec)
 
 
 def compile_serve(
@@ -371,6 +384,7 @@ def compile_serve(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
     )
     job_arrays, full_spec = prep(prompts, None)
+    full_spec = measured(full_spec, job_arrays, slots, cfg, graphdef, params, drafter, drafter_params)
     begin = time.perf_counter()
     compiled = fn.lower(
         **static, **arrays, **job_arrays, key=job_key(0), spec=full_spec, slots=slots

@@ -142,11 +142,21 @@ def commit(loop: LoopState, layout, verdict: Verification, cache, spec: Generate
 
 
 def speculative_round(
-    graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, verified=None
+    graphdef,
+    params,
+    drafter,
+    drafter_params,
+    spec,
+    loop: LoopState,
+    limit_B,
+    keys,
+    verified=None,
+    backlog=0.0,
 ):
     """Draft -> verify in one target pass -> commit. `keys` [max rounds, 2]: each round's drafter and
     acceptance-rule keys. `verified`: only the draft's first tokens are verified (0: a plain AR round, the drafter
-    kept in step with the committed tokens as after a rejected draft)."""
+    kept in step with the committed tokens as after a rejected draft). `backlog`: tokens each row will emit after
+    its current one ends (slots refilled from a queue), which adaptive K counts as work left."""
     k_draft, k_accept = keys[loop.stats.rounds]
     draft, drafter_state, cache = propose(
         drafter, drafter_params, loop.drafter_state, loop.seq_BS, loop.n_tokens_B, k_draft, loop.cache
@@ -155,7 +165,7 @@ def speculative_round(
         draft = draft.prefix(verified)
     pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
     checked = lambda d, lp: verify_and_commit(
-        graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B
+        graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B, backlog
     )
     if draft.choice is None:
         loop, n_accepted, path, feats, feedback = checked(draft, loop)
@@ -169,7 +179,7 @@ def speculative_round(
 
 
 def verify_and_commit(
-    graphdef, params, spec, drafter, draft, pending_B, cache, key, loop: LoopState, limit_B
+    graphdef, params, spec, drafter, draft, pending_B, cache, key, loop: LoopState, limit_B, backlog=0.0
 ):
     """`verify` then `commit`: (loop state, accepted counts, path and features padded to the largest depth, the
     drafter's feedback as keyword arguments)."""
@@ -183,13 +193,41 @@ def verify_and_commit(
                 depth,
                 verdict.n_accepted,
                 active,
-                jnp.where(loop.done_B, 0, limit_B - loop.n_tokens_B),
+                jnp.where(loop.done_B, 0, limit_B - loop.n_tokens_B) + backlog,
             )
         )
     pad = ((0, 0), (0, loop.stats.depth_accepted.shape[0] - 1 - depth))  # to the largest K's depth
     path, feats = jnp.pad(verdict.path, pad), jnp.pad(verdict.features, pad + ((0, 0),))
     feedback = {} if verdict.feedback is None else {"feedback": verdict.feedback}
     return loop, verdict.n_accepted, path, feats, feedback
+
+
+def round_at(graphdef, params, drafter, drafter_params, spec, k: int):
+    """`(loop, limit_B, keys, backlog=0) -> loop`: one round drafting `k` tokens (K = 0: the drafter drafts one
+    token and none is verified)."""
+    return functools.partial(
+        speculative_round,
+        graphdef,
+        params,
+        drafter.with_k(max(k, 1)),
+        drafter_params,
+        spec,
+        verified=0 if k == 0 else None,
+    )
+
+
+def chosen_round(graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, backlog):
+    """One round at the K adaptive K chose: each K's round in a `lax.while_loop` of at most one trip (the caches
+    updated in place, see `adaptive_rounds`), the first whose K is chosen running."""
+    ran = jnp.bool_(False)
+    for i, k in enumerate(spec.adaptive_k.ks):
+        one = round_at(graphdef, params, drafter, drafter_params, spec, k)
+        loop, ran = jax.lax.while_loop(
+            lambda c, i=i: ~c[1] & (spec.adaptive_k.choose(c[0].estimate) == i),
+            lambda c, one=one: (one(c[0], limit_B, keys, backlog=backlog), jnp.bool_(True)),
+            (loop, ran),
+        )
+    return loop
 
 
 def adaptive_rounds(
@@ -202,15 +240,7 @@ def adaptive_rounds(
     third slower on stories260K), while a loop updates its carry in place."""
 
     def rounds_at(i: int, k: int):
-        one = functools.partial(
-            speculative_round,
-            graphdef,
-            params,
-            drafter.with_k(max(k, 1)),
-            drafter_params,
-            spec,
-            verified=0 if k == 0 else None,
-        )
+        one = round_at(graphdef, params, drafter, drafter_params, spec, k)
         stay = lambda lp: go_on(lp) & (choose(lp) == i)
         return lambda lp: jax.lax.while_loop(stay, lambda lp: one(lp, limit_B, keys), lp)
 

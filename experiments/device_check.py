@@ -1,6 +1,7 @@
 """`make device-check`: on a machine with an accelerator, the test suite there and the device-sized benchmarks.
 
     PYTHONPATH=. python -m experiments.device_check [--sizes=device|smoke] [--notests] [--results=results]
+        [--test_timeout=SECONDS] [--passed_in=an earlier device_tests.log]
 
 Writes, each file stamped with the device (`experiments.harness.Writer`):
 - results/device_tests.{md,csv}: the suite on JAX's default backend (`pytest -n --workers --dist loadscope`,
@@ -107,13 +108,21 @@ def summary_counts(text: str) -> dict:
 RESULT_WORDS = dict(passed="PASSED", failed="FAILED", errors="ERROR", skipped="SKIPPED")
 
 
-def run_tests(writer: harness.Writer, workers: int, timeout: float | None = None) -> dict:
+def passed_tests(text: str) -> list[str]:
+    """The node ids a verbose pytest log reports passed (parametrised ids may hold spaces)."""
+    return sorted({m.strip() for m in re.findall(r"PASSED (tests/\S.*)$", text, re.M)})
+
+
+def run_tests(
+    writer: harness.Writer, workers: int, timeout: float | None = None, skip: list[str] = ()
+) -> dict:
     """The suite on this device; its output goes to `device_tests.log` and each failure's report to
     `device_failures.log` as it runs (a stopped run keeps what failed before it stopped, and why)."""
     failures = writer.folder / "device_failures.log"
     env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SPECJAX_FAILURE_LOG": str(failures)}
     order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
     command = [sys.executable, "-m", "pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
+    command += [f"--deselect={test}" for test in skip]
     writer.folder.mkdir(parents=True, exist_ok=True)
     failures.unlink(missing_ok=True)
     log = writer.folder / "device_tests.log"
@@ -133,7 +142,10 @@ def run_tests(writer: harness.Writer, workers: int, timeout: float | None = None
     failed = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", text)))
     row = summary_counts(text) | dict(seconds=seconds, exit_status=status)
     notes = "Failed:\n" + "\n".join(f"- {t}" for t in failed) if failed else "No test failed."
-    writer.table("device_tests", [row], f"The test suite on this device: {' '.join(command[2:])}", notes)
+    if skip:
+        notes += f"\n\nLeft out: the {len(skip)} tests an earlier run passed (`--passed_in`)."
+    shown = " ".join(command[2 : len(command) - len(skip)])
+    writer.table("device_tests", [row], f"The test suite on this device: {shown}", notes)
     return row
 
 
@@ -249,7 +261,8 @@ def main(argv):
     folder = Path(FLAGS.results)
     writer = harness.Writer(folder)
     if FLAGS.tests:
-        print(run_tests(writer, FLAGS.workers, FLAGS.test_timeout), flush=True)
+        skip = passed_tests(Path(FLAGS.passed_in).read_text(errors="replace")) if FLAGS.passed_in else []
+        print(run_tests(writer, FLAGS.workers, FLAGS.test_timeout, skip), flush=True)
     if "ar" in FLAGS.parts:
         ar_table(writer, p)
     if "memory_bound" in FLAGS.parts:
@@ -266,6 +279,12 @@ def define_flags() -> None:
     flags.DEFINE_bool("tests", True, "Run the test suite first (device_tests table).")
     flags.DEFINE_integer("workers", 8, "pytest workers on the device.")
     flags.DEFINE_float("test_timeout", None, "Seconds the suite may run (what ran is reported).")
+    flags.DEFINE_string(
+        "passed_in",
+        None,
+        "A device_tests.log of an earlier run: the tests it passed are left out (a suite longer than one lease, "
+        "run over several).",
+    )
     flags.DEFINE_list("parts", ["ar", "memory_bound"], "Benchmarks to run: ar, memory_bound.")
     flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes of the memory-bound benchmark.")
     flags.DEFINE_list("kinds", None, "Drafter rows of the memory-bound benchmark (default: every one).")

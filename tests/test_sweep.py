@@ -116,6 +116,13 @@ def test_pytest_summary_counts():
         "[gw1] [  3%] PASSED tests/test_a.py::test_z\n[gw2] [  4%] SKIPPED tests/test_c.py::test_w\n"
     )
     assert device_check.summary_counts(stopped) == dict(passed=2, failed=1, errors=0, skipped=1)
+    # a later run leaves out what this one passed (`--passed_in`), parametrised ids with spaces whole
+    log = stopped + "[gw3] [  5%] PASSED tests/test_d.py::test_v[eagle3 chain] \ntests/test_d.py::test_u\n"
+    assert device_check.passed_tests(log) == [
+        "tests/test_a.py::test_x",
+        "tests/test_a.py::test_z",
+        "tests/test_d.py::test_v[eagle3 chain]",
+    ]
 
 
 def test_profile_reads_device_kernels_from_a_trace(tmp_path):

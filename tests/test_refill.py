@@ -74,40 +74,34 @@ def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(budgets, 
     assert int(served.rounds) < sum(max(lengths[i : i + 3]) - 1 for i in range(0, len(prompts), 3))
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_speculative_refill_decodes_each_prompt_as_alone(method, stories, story_job):
-    """A draft model (its own cache in the drafter state) and an EAGLE-3 head (the target's features): each slot's
-    drafter state is replaced with its new prompt's."""
+@pytest.mark.parametrize(
+    "method, k, adaptive",
+    [
+        ("draft_model", 3, None),
+        ("eagle3", 3, None),
+        ("eagle3", 4, Alternating((0, 4), (1.0, 1.0), prior=0.6)),
+    ],
+    ids=["draft_model", "eagle3", "eagle3 adaptive K"],
+)
+def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, stories, story_job):
+    """A draft model (its own cache in the drafter state), an EAGLE-3 head (the target's features), and the head with
+    adaptive K (one round a step at the K chosen, here K = 0 and K = 4 in turn), prompts with token budgets of their
+    own: each slot's drafter state is replaced with its new prompt's, and each prompt's output is its output alone."""
     prompts, spec, tokens, lengths = story_job
     entry = registry.get(method)
-    drafter, dparams = entry.build(stories, entry.settings(), 3, None, Sampler())
+    drafter, dparams = entry.build(stories, entry.settings(), k, None, Sampler())
     cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
     budgets = [40, 12, 25, 40, 7, 30, 18]
     lengths = np.minimum(lengths, budgets)
     tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)
-    served = refill.serve(cfg, graphdef, params, prompts, spec, 3, drafter, dparams, budgets=budgets)
-    np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
-    np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
-    assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
-
-
-def test_adaptive_k_refill_decodes_each_prompt_as_alone(stories, story_job):
-    """Adaptive K in the refilled loop (one round a step at the K chosen, here K = 0 and K = 4 in turn), prompts with
-    token budgets of their own: each prompt's output is its output alone."""
-    prompts, spec, tokens, lengths = story_job
-    entry = registry.get("eagle3")
-    drafter, dparams = entry.build(stories, entry.settings(), 4, None, Sampler())
-    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
-    adaptive = Alternating((0, 4), (1.0, 1.0), prior=0.6)
     job = dataclasses.replace(spec, adaptive_k=adaptive)
-    budgets = [40, 12, 25, 40, 7, 30, 18]
-    lengths = np.minimum(lengths, budgets)
-    tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)
     served = refill.serve(cfg, graphdef, params, prompts, job, 3, drafter, dparams, budgets=budgets)
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
-    k_hist = np.asarray(served.stats.k_hist)
-    assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist
+    assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
+    if adaptive is not None:
+        k_hist = np.asarray(served.stats.k_hist)
+        assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist
 
 
 def test_sampled_refill_is_distributed_as_ar_and_a_shared_key_is_caught(monkeypatch):

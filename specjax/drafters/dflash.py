@@ -115,34 +115,39 @@ class DFlashHead(nnx.Module):
 
     def blocks(self, embeds_BNTH, positions_BNT, taps_BSF, anchors_BN):
         """Training: the final features [B, N, T, H] of N blocks over one sequence's S context positions, block n
-        seeing the context before its anchor and itself (what drafting at that anchor sees)."""
+        seeing the context before its anchor and itself (what drafting at that anchor sees). Each block attends
+        to the context and to its own T positions only: O(N T (S + T)), not the O(N T (S + N T)) of one masked
+        pass over all blocks."""
         b, n, t, dim = embeds_BNTH.shape
         s = taps_BSF.shape[1]
         ctx = self.context(taps_BSF)
         ctx_cos, ctx_sin = rope_angles(self.inv_freq, jnp.broadcast_to(jnp.arange(s), (b, s)), s + t)
         cos, sin = rope_angles(self.inv_freq, positions_BNT.reshape(b, n * t), s + t)
         sees_ctx = jnp.arange(s)[None, None] < anchors_BN[:, :, None]  # [B, N, S]
-        sees_ctx = jnp.repeat(sees_ctx, t, axis=1)  # [B, NT, S]
-        same_block = jnp.repeat(jnp.repeat(jnp.eye(n, dtype=bool), t, 0), t, 1)  # [NT, NT]
-        visible = jnp.concatenate([sees_ctx, jnp.broadcast_to(same_block, (b, n * t, n * t))], -1)
         x = embeds_BNTH.reshape(b, n * t, dim)
         for layer in self.layers:
             q, k, v = layer.heads(layer.wqkv(layer.attn_norm(x)), cos, sin)
             k_ctx, v_ctx = layer.context(ctx, ctx_cos, ctx_sin)
-            attn = attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1), visible)
-            x = layer.residual(x, attn)
+            split = lambda a: a.reshape(b, n, t, *a.shape[2:])
+            attn = attend_blocks(split(q), k_ctx, v_ctx, sees_ctx, split(k), split(v))
+            x = layer.residual(x, attn.reshape(b, n * t, -1))
         return self.norm(x).reshape(b, n, t, dim)
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, visible_BTS):
-    """Grouped-query attention [B, T, heads * D] of T queries over S keys where `visible_BTS`."""
-    b, t, h, d = q_BTHD.shape
+def attend_blocks(q_BNTHD, k_BSKD, v_BSKD, sees_BNS, k_BNTKD, v_BNTKD):
+    """Grouped-query attention [B, N, T, heads * D] of N blocks of T queries, each over the S context keys it
+    sees (`sees_BNS`) and its own block's T keys (all visible): one softmax over both."""
+    b, n, t, h, d = q_BNTHD.shape
     kv = k_BSKD.shape[2]
-    q = q_BTHD.reshape(b, t, kv, h // kv, d) * d**-0.5
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD).reshape(b, t, h * d)
+    q = q_BNTHD.reshape(b, n, t, kv, h // kv, d) * d**-0.5
+    f32 = dict(preferred_element_type=jnp.float32)
+    on_ctx = jnp.einsum("bntkgd,bskd->bnkgts", q, k_BSKD, **f32)
+    on_ctx = jnp.where(sees_BNS[:, :, None, None, None], on_ctx, jnp.finfo(jnp.float32).min)
+    on_block = jnp.einsum("bntkgd,bnukd->bnkgtu", q, k_BNTKD, **f32)
+    probs = jax.nn.softmax(jnp.concatenate([on_ctx, on_block], -1), axis=-1).astype(v_BSKD.dtype)
+    out = jnp.einsum("bnkgts,bskd->bntkgd", probs[..., : k_BSKD.shape[1]], v_BSKD)
+    out = out + jnp.einsum("bnkgtu,bnukd->bntkgd", probs[..., k_BSKD.shape[1] :], v_BNTKD)
+    return out.reshape(b, n, t, h * d)
 
 
 def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:

@@ -121,8 +121,8 @@ def run_tests(
     failures = writer.folder / "device_failures.log"
     env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SPECJAX_FAILURE_LOG": str(failures)}
     order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
-    command = [sys.executable, "-m", "pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
-    command += [f"--deselect={test}" for test in skip]
+    shown = ["pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
+    command = [sys.executable, "-m", *shown, *(f"--deselect={test}" for test in skip)]
     writer.folder.mkdir(parents=True, exist_ok=True)
     failures.unlink(missing_ok=True)
     log = writer.folder / "device_tests.log"
@@ -144,8 +144,7 @@ def run_tests(
     notes = "Failed:\n" + "\n".join(f"- {t}" for t in failed) if failed else "No test failed."
     if skip:
         notes += f"\n\nLeft out: the {len(skip)} tests an earlier run passed (`--passed_in`)."
-    shown = " ".join(command[2 : len(command) - len(skip)])
-    writer.table("device_tests", [row], f"The test suite on this device: {shown}", notes)
+    writer.table("device_tests", [row], f"The test suite on this device: {' '.join(shown)}", notes)
     return row
 
 

@@ -361,8 +361,8 @@ def measured(spec, job_arrays, slots, cfg, graphdef, params, drafter, drafter_pa
     """`spec` with adaptive K's round costs and prior measured on the first `slots` prompts, where not given."""
     if drafter is None:
         return spec
-    first = {k: job_arrays[k][:slots] for k in ("tokens_NP", "lengths_N")}
-    return calibrate(cfg, graphdef, params, drafter, drafter_params, *first.values(), spec)
+    tokens, lengths = job_arrays["tokens_NP"][:slots], job_arrays["lengths_N"][:slots]
+    return calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, spec)
 
 
 def compile_serve(

@@ -124,11 +124,11 @@ class DFlashHead(nnx.Module):
         ctx_cos, ctx_sin = rope_angles(self.inv_freq, jnp.broadcast_to(jnp.arange(s), (b, s)), s + t)
         cos, sin = rope_angles(self.inv_freq, positions_BNT.reshape(b, n * t), s + t)
         sees_ctx = jnp.arange(s)[None, None] < anchors_BN[:, :, None]  # [B, N, S]
+        split = lambda a: a.reshape(b, n, t, *a.shape[2:])  # [B, NT, ...] -> [B, N, T, ...]
         x = embeds_BNTH.reshape(b, n * t, dim)
         for layer in self.layers:
             q, k, v = layer.heads(layer.wqkv(layer.attn_norm(x)), cos, sin)
             k_ctx, v_ctx = layer.context(ctx, ctx_cos, ctx_sin)
-            split = lambda a: a.reshape(b, n, t, *a.shape[2:])
             attn = attend_blocks(split(q), k_ctx, v_ctx, sees_ctx, split(k), split(v))
             x = layer.residual(x, attn.reshape(b, n * t, -1))
         return self.norm(x).reshape(b, n, t, dim)

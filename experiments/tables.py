@@ -25,6 +25,8 @@ Sections:
   tau by prompt category; and the draft-model rows of the memory-bound target (`experiments.bench_memory_bound`).
 - dflash: parallel (block) drafting: DFlash's block sizes and trees against EAGLE-3 sequential and parallel and the
   distilled draft, tau by category at T=0/1 and the memory-bound target's speed (`experiments.dflash_table`).
+- dflash_bound: the tau a block draft could reach: the committed DFlash head against its training objective's
+  optimum for corpora sampled at T = 1, 0.5 and 0 (`experiments.dflash_bound`; not in --quick).
 - suffix: suffix decoding on rollouts (16 samples per prompt at T = 1, 0.7, 0.3) and repeated greedy tasks, with and
   without the outputs of earlier requests in its store, against n-gram (`experiments.suffix_table`).
 - systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
@@ -58,6 +60,7 @@ SECTIONS = (
     "distill",
     "systems",
     "dflash",
+    "dflash_bound",
     "suffix",
 )
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
@@ -631,6 +634,15 @@ def dflash(out: harness.Writer, quick: bool, target) -> None:
     dflash_table.tables(out, quick, target, cats, 1 if quick else FLAGS.repeats)
 
 
+def dflash_bound(out: harness.Writer, quick: bool, target) -> None:
+    if quick:  # minutes of sampling: tests/test_dflash_bound.py checks it on a few contexts
+        return
+    from experiments import dflash_bound as bound
+    from experiments.dflash_table import HEADS
+
+    out.table("dflash_bound", bound.rows(target, HEADS / "stories260K_dflash"), bound.TITLE)
+
+
 def suffix(out: harness.Writer, quick: bool, target) -> None:
     from experiments import suffix_table
 
@@ -748,6 +760,7 @@ def main(argv):
             ("distill", distill_tables),
             ("systems", systems),
             ("dflash", dflash),
+            ("dflash_bound", dflash_bound),
             ("suffix", suffix),
         )
     }

@@ -18,6 +18,7 @@ import logging as std_logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -180,6 +181,16 @@ def temperature(value: float, name: str = "--temperature") -> float:
         )
         return 0.0
     return value
+
+
+PROGRESS_S = 15.0  # the most seconds between two progress lines of long work
+
+
+def time_left(done: int, total: int, elapsed_s: float) -> str:
+    """'about MM:SS left' (H:MM:SS past an hour) for `total - done` more units at the pace of `done` in
+    `elapsed_s`."""
+    left = (total - done) * elapsed_s / max(done, 1)
+    return f"about {time.strftime('%H:%M:%S', time.gmtime(left)).removeprefix('00:')} left"
 
 
 def define_process_flags() -> None:

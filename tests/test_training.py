@@ -286,6 +286,29 @@ def test_clear_errors(target_dir, tmp_path, stories):
         heads.load_heads(damaged, stories.cfg, stories.params)
 
 
+def test_corpus_generation_says_how_far_it_is(stories, monkeypatch, caplog):
+    """Self-distillation logs samples done of the total and the time left after each batch when lines may come
+    that often, and the finished count; where lines may come only rarely, only the end (control)."""
+    import logging
+
+    target = (stories.cfg, stories.graphdef, stories.params)
+    monkeypatch.setattr("specjax.cli.PROGRESS_S", 1e9)
+    with caplog.at_level(logging.INFO):
+        data.self_distill(*target, 1, 2, n_samples=5, max_len=4, temperature=1.0, seed=0, batch=2)
+    assert [r.getMessage().split(",")[0] for r in caplog.records if "corpus" in r.getMessage()] == [
+        "self-distilled corpus: 5/5 samples"
+    ]
+    caplog.clear()
+    monkeypatch.setattr("specjax.cli.PROGRESS_S", 0.0)
+    with caplog.at_level(logging.INFO):
+        data.self_distill(*target, 1, 2, n_samples=5, max_len=4, temperature=1.0, seed=0, batch=2)
+    lines = [r.getMessage() for r in caplog.records if "corpus" in r.getMessage()]
+    assert [line.split(",")[0] for line in lines] == [
+        f"self-distilled corpus: {n}/5 samples" for n in (2, 4, 5)
+    ]
+    assert lines[0].endswith(" left") and lines[-1].endswith("about 00:00 left")
+
+
 def test_progress_line_says_step_of_total_and_time_left(tmp_path):
     """A log line starts with the step out of the run's total and the time left at this run's pace so far: 10 of
     100 steps in 50 s leave about 7.5 minutes."""

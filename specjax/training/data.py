@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -159,13 +160,20 @@ def self_distill(
     batch: int = 64,
 ) -> list[list[int]]:
     """`n_samples` documents sampled from the target (BOS, then up to `max_len` tokens, ending at EOS); a
-    temperature below `cli.GREEDY_BELOW` samples greedily, as decoding does."""
+    temperature below `cli.GREEDY_BELOW` samples greedily, as decoding does. Logs how far it is and the time left
+    at most every `cli.PROGRESS_S` seconds, and when done."""
     spec = GenerateSpec(max_len, Sampler(cli.temperature(temperature, "data.temperature")), eos_id=eos_id)
     docs = []
+    started = shown = time.perf_counter()
     for i, _start in enumerate(range(0, n_samples, batch)):
         out = generate(cfg, graphdef, params, [[bos_id]] * batch, spec, seed=seed + i)
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         docs += [[bos_id] + tokens[r, : lengths[r]].tolist() for r in range(batch)]
+        done, now = min(len(docs), n_samples), time.perf_counter()
+        if now - shown >= cli.PROGRESS_S or done == n_samples:
+            left = cli.time_left(done, n_samples, now - started)
+            logging.info("self-distilled corpus: %d/%d samples, %s", done, n_samples, left)
+            shown = now
     return docs[:n_samples]
 
 

@@ -34,7 +34,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import files, heads, pair, precision, sharding
+from specjax import cli, files, heads, pair, precision, sharding
 from specjax.drafting import registry
 from specjax.errors import NonFiniteLossError
 from specjax.models.conversion import converted
@@ -165,10 +165,8 @@ def trim_metrics(path: Path, step: int) -> None:
 
 class Logger:
     """One line per log step (step N/M, tokens/s, time left, the metrics), a short progress line between them
-    at most every PROGRESS_S seconds, plus `metrics.jsonl` (trimmed to the step the run starts from) and
+    at most every `cli.PROGRESS_S` seconds, plus `metrics.jsonl` (trimmed to the step the run starts from) and
     TensorBoard scalars."""
-
-    PROGRESS_S = 15.0
 
     def __init__(self, workdir: Path, step: int = 0, end: int = 0):
         from tensorboardX import SummaryWriter
@@ -181,15 +179,13 @@ class Logger:
 
     def where(self, step: int) -> str:
         """'step N/M (P%), about H:MM:SS left' from the pace of this run so far."""
-        now = time.perf_counter()
-        left = (self.end - step) * (now - self.start) / max(step - self.first, 1)
-        self.shown = now
-        clock = time.strftime("%H:%M:%S", time.gmtime(left)).removeprefix("00:")
-        return f"step {step}/{self.end} ({100 * step // max(self.end, 1)}%), about {clock} left"
+        self.shown = time.perf_counter()
+        left = cli.time_left(step - self.first, self.end - self.first, self.shown - self.start)
+        return f"step {step}/{self.end} ({100 * step // max(self.end, 1)}%), {left}"
 
     def progress(self, step: int) -> None:
-        """The short line, if PROGRESS_S have passed since the last line."""
-        if time.perf_counter() - self.shown >= self.PROGRESS_S:
+        """The short line, if `cli.PROGRESS_S` have passed since the last line."""
+        if time.perf_counter() - self.shown >= cli.PROGRESS_S:
             logging.info("%s", self.where(step))
 
     def __call__(self, step: int, metrics: dict) -> None:

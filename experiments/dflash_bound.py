@@ -1,0 +1,181 @@
+"""The tau a block drafter could reach on a target: the optimum of DFlash's training objective, against the head.
+
+DFlash trains block position i on the forward KL from the target's distribution of token a + i, given the corpus's
+tokens a + 1 .. a + i - 1, which the block does not see. Over a corpus sampled at temperature t_c that objective
+is minimised by the target's own marginal q_i(x) = E[p(x_{a+i} = x | context, x_{a+1} .. x_{a+i-1})], the
+intermediate tokens drawn at t_c. `marginals` estimates it (Rao-Blackwellised: the mean of the target's
+distributions over sampled intermediates); drafting from it (its argmax at T = 0, independent draws at T = 1, as a
+DFlash chain does) and verifying with the target gives the tau of a head that reached its objective's optimum: the
+ceiling that training the same objective longer approaches. The head's own tau on the same contexts, drafted and
+verified the same way, says how far from it a trained head is.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import harness
+from specjax import precision
+from specjax.models.llama import features, forward, init_cache
+from specjax.sampling import Sampler
+
+CHUNK = 256  # rows per target pass
+
+
+def _padded(rows: list) -> np.ndarray:
+    """Rows right-padded with token 0 to a multiple of 16 (causal attention: padding after a token never reaches
+    it; one compiled pass per width)."""
+    width = -(-max(map(len, rows)) // 16) * 16
+    return np.stack([np.pad(np.asarray(r), (0, width - len(r))) for r in rows])
+
+
+def _target_pass(target, seqs: np.ndarray, taps: tuple[int, ...] = ()):
+    """(logits [B, S, V] float32, features [B, S, F]) of the target over right-padded rows, in chunks."""
+    b, s = seqs.shape
+    logits, feats = [], []
+    for i in range(0, b, CHUNK):
+        chunk = jnp.asarray(seqs[i : i + CHUNK], jnp.int32)
+        n = chunk.shape[0]
+        lg, hidden, _ = forward(
+            target.graphdef,
+            target.params,
+            chunk,
+            jnp.broadcast_to(jnp.arange(s), (n, s)),
+            init_cache(target.cfg, n, s),
+            jnp.tril(jnp.ones((s, s), bool)),
+            taps,
+        )
+        logits.append(np.asarray(lg))
+        feats.append(np.asarray(features(hidden, taps)) if taps else None)
+    return np.concatenate(logits), (np.concatenate(feats) if taps else None)
+
+
+def _at(a_BS, starts_B, k: int):
+    """[B, k, ...]: rows' entries at starts + 0 .. k - 1."""
+    return np.stack([a_BS[b, s : s + k] for b, s in enumerate(starts_B)])
+
+
+def contexts(target, prompts: list[list[int]], temperature: float, n_new: int, every: int, k: int) -> list:
+    """Contexts ending at an anchor: each prompt decoded `n_new` tokens at `temperature`, cut after every `every`-th
+    new token (while k more follow)."""
+    from specjax.decoding import generate
+
+    spec = harness.generate_spec(n_new, Sampler(temperature), eos_id=None)
+    out = np.asarray(generate(target.cfg, target.graphdef, target.params, prompts, spec, seed=1).tokens)
+    return [
+        list(p) + list(new[:j]) for p, new in zip(prompts, out) for j in range(every, n_new - k + 1, every)
+    ]
+
+
+def marginals(target, ctx: list, k: int, t_c: float, n_paths: int, seed: int = 0) -> np.ndarray:
+    """[C, k, V]: the target's distributions (T = 1) of tokens a + 1 .. a + k after each context, averaged over
+    `n_paths` draws of the intermediate tokens at temperature `t_c` (position 1 has none: it is exact)."""
+    from specjax.decoding import generate
+
+    rows = [c for c in ctx for _ in range(n_paths)]
+    paths = np.zeros((len(rows), 0), np.int32)
+    if k > 1:
+        spec = harness.generate_spec(k - 1, Sampler(t_c), eos_id=None)
+        paths = np.asarray(
+            generate(target.cfg, target.graphdef, target.params, rows, spec, seed=seed).tokens
+        )
+    logits, _ = _target_pass(target, _padded([r + list(p) for r, p in zip(rows, paths)]))
+    p = jax.nn.softmax(_at(logits, [len(r) - 1 for r in rows], k), -1)
+    return np.asarray(p).reshape(len(ctx), n_paths, k, -1).mean(1)
+
+
+@precision.follows_params
+@functools.partial(jax.jit, static_argnames=("graphdef", "k", "mask_token"))
+def _block_logits(graphdef, params, seqs_BS, taps_BSF, anchors_B, k: int, mask_token: int):
+    """[B, k, V] float32: a DFlash head's logits of tokens a + 1 .. a + k after each row's anchor a, by its training
+    pass at one anchor per row (which `tests/test_dflash.py` pins to the drafting pass)."""
+    anchors = anchors_B[:, None]
+    block = jnp.where(
+        jnp.arange(k + 1) == 0, jnp.take_along_axis(seqs_BS, anchors, 1)[:, :, None], mask_token
+    )
+    head = nnx.merge(graphdef, params["head"])
+    positions = anchors[:, :, None] + jnp.arange(k + 1)
+    x = head.blocks(jnp.take(params["embed"], block, axis=0), positions, taps_BSF, anchors)
+    return jnp.einsum("bid,vd->biv", x[:, 0, 1:], params["unembed"]).astype(jnp.float32)
+
+
+def head_distributions(target, heads_dir, ctx: list, k: int) -> np.ndarray:
+    """[C, k, V]: a DFlash head's block distributions after each context (its last token is the anchor)."""
+    from specjax import heads
+
+    meta, graphdef, params = heads.load_heads(heads_dir, target.cfg, target.params)
+    taps = tuple(meta["shape"]["layers"])
+    seqs = _padded(ctx)
+    _, feats = _target_pass(target, seqs, taps)
+    logits = _block_logits(
+        graphdef,
+        heads.drafter_params(meta, params, target.cfg, target.params),
+        jnp.asarray(seqs, jnp.int32),
+        jnp.asarray(feats[..., : len(taps) * target.cfg.dim]),
+        jnp.asarray([len(c) - 1 for c in ctx]),
+        k,
+        meta["shape"]["mask_token"],
+    )
+    return np.asarray(jax.nn.softmax(logits, -1))
+
+
+def greedy_tau(target, ctx: list, q: np.ndarray) -> np.ndarray:
+    """[k]: how often the chain argmax q, verified greedily by the target, is accepted up to each position (tau is
+    1 + its sum)."""
+    draft = q.argmax(-1)
+    logits, _ = _target_pass(target, _padded([c + list(d) for c, d in zip(ctx, draft)]))
+    ok = _at(logits, [len(c) - 1 for c in ctx], q.shape[1]).argmax(-1) == draft
+    return np.cumprod(ok, -1).mean(0)
+
+
+def sampled_tau(target, ctx: list, q: np.ndarray, n_chains: int, seed: int = 0) -> np.ndarray:
+    """[k]: how often `n_chains` chains per context, drawn position by position from q (independently, as a block
+    draft is) and accepted by the token-wise rule at T = 1 against the target, are accepted up to each position."""
+    rng = np.random.default_rng(seed)
+    c, k, v = q.shape
+    u = rng.random((c, n_chains, k, 1))
+    draft = np.minimum((np.cumsum(q, -1)[:, None] < u).sum(-1), v - 1)  # [C, M, k]
+    rows = [ctx[i] + list(draft[i, j]) for i in range(c) for j in range(n_chains)]
+    logits, _ = _target_pass(target, _padded(rows))
+    p = np.asarray(jax.nn.softmax(_at(logits, [len(r) - k - 1 for r in rows], k), -1)).reshape(
+        c, n_chains, k, v
+    )
+    p_d = np.take_along_axis(p, draft[..., None], -1)[..., 0]
+    q_d = np.take_along_axis(np.broadcast_to(q[:, None], p.shape), draft[..., None], -1)[..., 0]
+    ok = rng.random(p_d.shape) < np.minimum(1.0, p_d / q_d)
+    return np.cumprod(ok, -1).mean((0, 1))
+
+
+TITLE = (
+    "The tau a block draft could reach on stories260K (B = 8, contexts every 8 tokens of the free prompts' decoding): "
+    "the committed head against its training objective's optimum, the target's own per-position marginals over "
+    "intermediate tokens drawn at the corpus's temperature, drafted and verified alike (T = 0: greedy; T = 1: "
+    "independent draws per position, token-wise acceptance); reaches_i: the share of drafts accepted up to position i"
+)
+
+
+def rows(target, heads_dir: Path, k: int = 7, n_paths: int = 64, n_chains: int = 64) -> list[dict]:
+    """For T = 0 and 1 (contexts decoded at T): the head's tau and the objective's optimum's for corpora sampled at
+    T = 1, 0.5 and 0, with how often each reaches block positions 1, 2, 4 and k."""
+    prompts = harness.prompts(target.tokenizer, harness.STORY_OPENINGS)
+    out = []
+    for t in (0.0, 1.0):
+        ctx = contexts(target, prompts, t, 64, 8, k)
+        drafts = {f"DFlash head ({heads_dir.name})": head_distributions(target, heads_dir, ctx, k)}
+        for t_c in (1.0, 0.5, 0.0):
+            drafts[f"its objective's optimum, corpus at T={t_c:g}"] = marginals(
+                target, ctx, k, t_c, n_paths
+            )
+        for name, q in drafts.items():
+            reach = greedy_tau(target, ctx, q) if t == 0 else sampled_tau(target, ctx, q, n_chains)
+            out.append(
+                dict(T=t, draft=name, contexts=len(ctx), tau=1 + float(reach.sum()))
+                | {f"reaches_{i}": float(reach[i - 1]) for i in (1, 2, 4, k)}
+            )
+    return out

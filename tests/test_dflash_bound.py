@@ -1,0 +1,39 @@
+"""The DFlash ceiling (`experiments/dflash_bound.py`): the objective's optimum drafted and verified like a head."""
+
+import numpy as np
+import pytest
+
+from experiments import dflash_bound as bound
+from experiments import harness
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def greedy_contexts(stories):
+    prompts = harness.prompts(stories.tokenizer, harness.STORY_OPENINGS, 2)
+    return bound.contexts(stories, prompts, 0.0, 24, 8, K)
+
+
+def test_the_optimum_of_a_greedy_corpus_is_the_greedy_chain(stories, greedy_contexts):
+    """Intermediate tokens drawn greedily: every position's marginal peaks at the target's greedy chain, which
+    greedy verification accepts whole; the same distributions a position late are refused (control)."""
+    q = bound.marginals(stories, greedy_contexts, K, 0.0, n_paths=2)
+    assert bound.greedy_tau(stories, greedy_contexts, q).tolist() == [1.0] * K
+    late = np.concatenate([q[:, :1], q[:, :-1]], 1)  # position i drafts what position i - 1 should
+    assert bound.greedy_tau(stories, greedy_contexts, late)[1] < 0.5
+
+
+def test_sampled_acceptance_is_one_minus_the_total_variation(stories, greedy_contexts):
+    """At position 1 a chain drawn from q is accepted with probability sum_x min(p(x), q(x)): the exact marginal
+    (p itself) always, and a half-uniform mixture at its computed rate (binomial 4 sigma); the uniform draft far
+    less (control)."""
+    p = bound.marginals(stories, greedy_contexts, 1, 1.0, n_paths=1)
+    assert bound.sampled_tau(stories, greedy_contexts, p, 32)[0] > 0.999
+    mixed = 0.5 * p + 0.5 / p.shape[-1]
+    rate = np.minimum(p, mixed).sum(-1).mean()
+    n = len(greedy_contexts) * 256
+    measured = bound.sampled_tau(stories, greedy_contexts, mixed, 256, seed=1)[0]
+    assert abs(measured - rate) < 4 * np.sqrt(rate * (1 - rate) / n)
+    uniform = np.full_like(p, 1 / p.shape[-1])
+    assert bound.sampled_tau(stories, greedy_contexts, uniform, 32)[0] < rate - 0.2

@@ -11,6 +11,7 @@ from specjax import heads
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.hybrid import Hybrid
 from specjax.drafters.suffix import Suffix, empty_store
+from specjax.drafting import registry
 from specjax.errors import DrafterError
 from specjax.sampling import Sampler
 
@@ -25,12 +26,12 @@ def eagle(cfg, params, sampler, k=K):
     )
 
 
-def hybrid(cfg, params, sampler, stored, threshold, frequencies=False, decay=0.8):
+def hybrid(cfg, params, sampler, stored, threshold, frequencies=False, decay=0.8, prior=1.0):
     """(drafter, params): the store holds the `stored` sequences; EAGLE (random heads) falls back."""
     suffix = Suffix(K, cfg.vocab_size, frequencies=frequencies)
     fallback, fparams = eagle(cfg, params, sampler)
     store = suffix.absorb(empty_store(256), stored)
-    return Hybrid(suffix, fallback, threshold, decay), {"suffix": store, "fallback": fparams}
+    return Hybrid(suffix, fallback, threshold, decay, prior), {"suffix": store, "fallback": fparams}
 
 
 def per_row_tau(gen) -> np.ndarray:
@@ -59,6 +60,18 @@ def test_greedy_equals_ar_and_each_row_drafts_from_the_better_source():
     never, nparams = hybrid(TINY, params, Sampler(), stored, threshold=K + 1, decay=0.999)
     gen = speculative_generate(TINY, graphdef, params, never, nparams, RAGGED, spec)
     np.testing.assert_array_equal(per_row_tau(gen), eagle_tau)
+    # a store that starts from a low prior (0.01 x 2.25 expected tokens) waits until EAGLE's record of 2 (weighing
+    # the last round 0.2) has fallen below 0.0225, about 20 rounds: row 0 drafts from EAGLE first, then from the store
+    late, lparams = hybrid(TINY, params, Sampler(), stored, threshold=2.0, prior=0.01)
+    gen = speculative_generate(TINY, graphdef, params, late, lparams, RAGGED, spec)
+    np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+    assert eagle_tau[0] < per_row_tau(gen)[0] < tau[0]
+
+
+def test_the_store_starts_trusted_when_greedy_and_at_the_sampled_prior_when_sampling(stories):
+    entry = registry.get("hybrid")
+    build = lambda sampler: entry.build(stories, entry.settings(), 4, None, sampler)[0].prior
+    assert (build(Sampler()), build(Sampler(1.0))) == (1.0, entry.settings().sampled_store_prior)
 
 
 def test_bad_pairings_are_refused():
@@ -70,3 +83,5 @@ def test_bad_pairings_are_refused():
         Hybrid(Suffix(K + 1, TINY.vocab_size, nodes=4), fallback)
     with pytest.raises(DrafterError, match="threshold=0"):
         Hybrid(Suffix(K + 1, TINY.vocab_size), fallback, threshold=0)
+    with pytest.raises(DrafterError, match="prior=0"):
+        Hybrid(Suffix(K + 1, TINY.vocab_size), fallback, prior=0)

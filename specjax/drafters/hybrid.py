@@ -4,11 +4,13 @@ drafts the suffix store's chain where the store expects more of its tokens accep
 
 The store's expectation is `specjax.drafters.suffix.expected_accepted` (read from its most-frequent paths) times a
 moving average, over the row's rounds the store drafted, of the tokens accepted over the tokens it expected
-(starting at 1: under sampling, or matched on a short suffix, the store's frequencies promise more than the target
-accepts); the fallback's is a moving average of the draft tokens accepted in the row's rounds it drafted, starting
-at `threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the distribution its q
-states and every acceptance rule stays exact. The fallback drafts every round (its state follows the committed
-tokens whichever draft they came from): a round costs its draft, the store's lookup and one verification.
+(starting at `prior`: 1 for greedy decoding; under sampling 0.3, as the frequencies of matches seen once or twice
+promise more than the target accepts: on stories260K's rollouts at T = 0.7-1 the store's rounds got 0.12-0.24 of the
+tokens they expected); the fallback's is a moving average of the draft tokens accepted in the row's rounds it
+drafted, starting at `threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the
+distribution its q states and every acceptance rule stays exact. The fallback drafts every round (its state follows
+the committed tokens whichever draft they came from): a round costs its draft, the store's lookup and one
+verification.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Hybrid:
     fallback: object
     threshold: float = 2.0
     decay: float = 0.8
+    prior: float = 1.0  # the store's calibration before its first round
 
     def __post_init__(self):
         k = self.suffix.k
@@ -58,9 +61,10 @@ class Hybrid:
             raise DrafterError(
                 "the suffix hybrid cannot fall back on a drafter that reads the target's cache"
             )
-        if not (self.threshold > 0 and 0 <= self.decay < 1):
+        if not (self.threshold > 0 and 0 <= self.decay < 1 and self.prior > 0):
             raise DrafterError(
-                f"suffix hybrid threshold={self.threshold}, decay={self.decay}; pass threshold > 0 and 0 <= decay < 1"
+                f"suffix hybrid threshold={self.threshold}, decay={self.decay}, prior={self.prior}; pass "
+                "threshold > 0, 0 <= decay < 1 and prior > 0"
             )
 
     @property
@@ -80,7 +84,7 @@ class Hybrid:
         return HybridState(  # the suffix drafter keeps no state
             self.fallback.init(params["fallback"], tokens_BP, lengths_B, cache_size, feats_BPH),
             jnp.full(rows, self.threshold, jnp.float32),
-            jnp.ones(rows, jnp.float32),
+            jnp.full(rows, self.prior, jnp.float32),
             jnp.zeros(rows, jnp.float32),
         )
 
@@ -125,11 +129,14 @@ class HybridSettings(SuffixSettings):
 
     fallback: str = "eagle3"
     fallback_threshold: float = 2.0
+    sampled_store_prior: float = 0.3
     heads: str | None = None
     HELP = SuffixSettings.HELP | dict(
         fallback="hybrid drafter: the registered drafter that drafts where the suffix store expects too little.",
         fallback_threshold="hybrid drafter: the fallback's accepted draft tokens per round assumed before it "
         "has drafted (a row drafts from the store where the store expects more).",
+        sampled_store_prior="hybrid drafter, sampling: the share of the tokens the store's frequencies promise that it is "
+        "assumed to get accepted before it has drafted (greedy: 1).",
     )
 
 
@@ -147,7 +154,8 @@ def build(target, settings: HybridSettings, k: int, tree, sampler):
     suffix, store = registry.get("suffix").build(target, part(SuffixSettings), k, None, sampler)
     entry = registry.get(settings.fallback)
     fallback, fparams = entry.build(target, part(entry.settings), k, None, sampler)
-    drafter = Hybrid(suffix, fallback, settings.fallback_threshold)
+    prior = 1.0 if sampler.greedy else settings.sampled_store_prior
+    drafter = Hybrid(suffix, fallback, settings.fallback_threshold, prior=prior)
     return drafter, {"suffix": store, "fallback": fparams}
 
 

@@ -6,8 +6,8 @@ is minimised by the target's own marginal q_i(x) = E[p(x_{a+i} = x | context, x_
 intermediate tokens drawn at t_c. `marginals` estimates it (Rao-Blackwellised: the mean of the target's
 distributions over sampled intermediates); drafting from it (its argmax at T = 0, independent draws at T = 1, as a
 DFlash chain does) and verifying with the target gives the tau of a head that reached its objective's optimum: the
-ceiling that training the same objective longer approaches. The head's own tau on the same contexts, drafted and
-verified the same way, says how far from it a trained head is.
+ceiling that a head trained on the same objective approaches as its capacity and training grow. The head's own tau
+on the same contexts, drafted and verified the same way, says how far from it a trained head is.
 """
 
 from __future__ import annotations

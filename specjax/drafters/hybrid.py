@@ -135,8 +135,8 @@ class HybridSettings(SuffixSettings):
         fallback="hybrid drafter: the registered drafter that drafts where the suffix store expects too little.",
         fallback_threshold="hybrid drafter: the fallback's accepted draft tokens per round assumed before it "
         "has drafted (a row drafts from the store where the store expects more).",
-        sampled_store_prior="hybrid drafter, sampling: the share of the tokens the store's frequencies promise that it is "
-        "assumed to get accepted before it has drafted (greedy: 1).",
+        sampled_store_prior="hybrid drafter, sampling: the share of the tokens the store's frequencies promise "
+        "that it is assumed to get accepted before it has drafted (greedy: 1).",
     )
 
 

@@ -167,10 +167,15 @@ def define_precision_flag() -> None:
 
 
 def precision() -> str:
-    """The run's --matmul_precision ('dtype' where the flag is not defined)."""
+    """The run's --matmul_precision ('dtype' where the flag is not defined; its default before flags are parsed, as
+    in a test that imports a benchmark module)."""
     from absl import flags
 
-    return flags.FLAGS.matmul_precision if "matmul_precision" in flags.FLAGS else "dtype"
+    if "matmul_precision" not in flags.FLAGS:
+        return "dtype"
+    return (
+        flags.FLAGS.matmul_precision if flags.FLAGS.is_parsed() else flags.FLAGS["matmul_precision"].default
+    )
 
 
 def matmul_scope(params):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import experiments.tables  # noqa: F401 (defines --matmul_precision, unparsed: as where a worker ran test_tables)
 from experiments import dflash_bound as bound
 from experiments import harness
 

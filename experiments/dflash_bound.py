@@ -22,7 +22,7 @@ from flax import nnx
 
 from experiments import harness
 from specjax import precision
-from specjax.models.llama import features, forward, init_cache
+from specjax.models.llama import causal_mask, features, forward, init_cache
 from specjax.sampling import Sampler
 
 CHUNK = 256  # rows per target pass
@@ -48,7 +48,7 @@ def _target_pass(target, seqs: np.ndarray, taps: tuple[int, ...] = ()):
             chunk,
             jnp.broadcast_to(jnp.arange(s), (n, s)),
             init_cache(target.cfg, n, s),
-            jnp.tril(jnp.ones((s, s), bool)),
+            causal_mask(s),
             taps,
         )
         logits.append(np.asarray(lg))

@@ -114,14 +114,19 @@ def passed_tests(text: str) -> list[str]:
 
 
 def run_tests(
-    writer: harness.Writer, workers: int, timeout: float | None = None, skip: list[str] = ()
+    writer: harness.Writer,
+    workers: int,
+    timeout: float | None = None,
+    skip: list[str] = (),
+    paths: tuple[str, ...] = ("tests",),
+    dist: str = "loadscope",
 ) -> dict:
     """The suite on this device; its output goes to `device_tests.log` and each failure's report to
     `device_failures.log` as it runs (a stopped run keeps what failed before it stopped, and why)."""
     failures = writer.folder / "device_failures.log"
     env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SPECJAX_FAILURE_LOG": str(failures)}
-    order = ["--dist=loadscope", "--no-loadscope-reorder"]  # conftest's longest modules first
-    shown = ["pytest", "-v", "-rfE", f"-n={workers}", *order, "tests"]
+    order = [f"--dist={dist}", "--no-loadscope-reorder"]  # loadscope: conftest's longest modules first
+    shown = ["pytest", "-v", "-rfE", f"-n={workers}", *order, *paths]
     command = [sys.executable, "-m", *shown, *(f"--deselect={test}" for test in skip)]
     writer.folder.mkdir(parents=True, exist_ok=True)
     failures.unlink(missing_ok=True)
@@ -261,7 +266,10 @@ def main(argv):
     writer = harness.Writer(folder)
     if FLAGS.tests:
         skip = passed_tests(Path(FLAGS.passed_in).read_text(errors="replace")) if FLAGS.passed_in else []
-        print(run_tests(writer, FLAGS.workers, FLAGS.test_timeout, skip), flush=True)
+        row = run_tests(
+            writer, FLAGS.workers, FLAGS.test_timeout, skip, tuple(FLAGS.test_paths), FLAGS.dist
+        )
+        print(row, flush=True)
     if "ar" in FLAGS.parts:
         ar_table(writer, p)
     if "memory_bound" in FLAGS.parts:
@@ -283,6 +291,14 @@ def define_flags() -> None:
         None,
         "A device_tests.log of an earlier run: the tests it passed are left out (a suite longer than one lease, "
         "run over several).",
+    )
+    flags.DEFINE_list("test_paths", ["tests"], "What pytest runs: the suite, or some of its files.")
+    flags.DEFINE_enum(
+        "dist",
+        "loadscope",
+        ["loadscope", "worksteal"],
+        "How pytest-xdist shares the tests: whole modules, longest first, or single tests (a few modules on many "
+        "workers).",
     )
     flags.DEFINE_list("parts", ["ar", "memory_bound"], "Benchmarks to run: ar, memory_bound.")
     flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes of the memory-bound benchmark.")

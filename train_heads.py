@@ -15,14 +15,9 @@ the config spans every process's devices, each process feeds its own devices' ro
 writes the workdir records and logs, and Orbax writes each checkpoint once.
 """
 
-import os
 import signal
 import sys
 import threading
-
-# A resumed run equals an uninterrupted one bit for bit on a GPU too: XLA's GPU scatter-adds (the gradient of an
-# embedding a head trains) otherwise add in an order that varies between runs. Set before JAX starts.
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
 
 from absl import flags, logging
 from ml_collections import config_flags

@@ -17,6 +17,7 @@ import functools
 import logging as std_logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +67,7 @@ def guarded(main: Callable, errors: tuple = (), status: int = 1, positional: boo
                     f"unexpected argument{'s' if len(argv) > 2 else ''} {' '.join(map(repr, argv[1:]))}; "
                     "this command takes only flags: write them as --name=value (quote values with spaces)"
                 )
+            refuse_unsafe_xla_flags(os.environ.get("XLA_FLAGS", ""))
             return main(argv, *args, **kwargs)
         except USER_ERRORS + tuple(errors) as err:
             if debug():
@@ -73,6 +75,29 @@ def guarded(main: Callable, errors: tuple = (), status: int = 1, positional: boo
             fail(describe(err), status)
 
     return wrapper
+
+
+DETERMINISTIC_OPS = re.compile(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)")
+LOOP_SCATTER = re.compile(r"--xla_gpu_enable_scatter_determinism_expander=(false|0)(\s|$)")
+
+
+def refuse_unsafe_xla_flags(xla_flags: str, backend: str | None = None) -> None:
+    """A UsageError for XLA flags under which specjax computes wrong results on this backend (default: JAX's).
+
+    `--xla_gpu_deterministic_ops=true` rewrites every scatter on a GPU with XLA's scatter determinism expander,
+    which flattens a multi-dimensional index before it drops the out-of-range ones: a write that specjax drops on
+    purpose (a slot index one past a row's end, `mode="drop"`) lands in the next row's first slot (seen with jax
+    0.11.2 on an H100: the lookahead pool's insert). The expander's loop-based fallback checks each index."""
+    if not DETERMINISTIC_OPS.search(xla_flags) or LOOP_SCATTER.search(xla_flags):
+        return
+    import jax
+
+    if (backend or jax.default_backend()) == "gpu":
+        raise UsageError(
+            "XLA_FLAGS sets --xla_gpu_deterministic_ops=true, whose scatter rewrite on a GPU moves writes that "
+            "specjax drops into the next row: remove that flag, or add "
+            "--xla_gpu_enable_scatter_determinism_expander=false (XLA's slower loop-based deterministic scatter)"
+        )
 
 
 SHORT_HELP = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")

@@ -173,7 +173,14 @@ def test_kill_and_resume_equals_uninterrupted(trained_run, stories):
     trainer.train(config, root / "resumed", stop_at=6)
     trainer.train(config, root / "resumed")
     load = lambda run: distill.heads.load_heads(root / run, stories.cfg, stories.params)[2]
-    jax.tree.map(np.testing.assert_array_equal, load("straight"), load("resumed"))  # bit-identical
+    if jax.default_backend() == "cpu":  # its scatter-adds sum in one order: bit-identical
+        jax.tree.map(np.testing.assert_array_equal, load("straight"), load("resumed"))
+    else:  # a GPU's embedding gradient (a scatter-add) sums in a varying order: each step rounds differently
+        steps = config.train.steps
+        same = lambda a, b: assert_close(
+            b, a, dtype=jnp.float32, depth=steps, magnitude=float(np.abs(a).max())
+        )
+        jax.tree.map(same, load("straight"), load("resumed"))
 
 
 def test_export_loads_everywhere_with_the_same_logits_and_drafts_exactly(trained_run, target_dir, stories):

@@ -266,3 +266,44 @@ def test_library_errors_are_typed(call, error):
     with pytest.raises(getattr(errors, error)) as caught:
         call()
     assert isinstance(caught.value, errors.SpecjaxError) and isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "xla_flags, backend, refused",
+    [
+        ("--xla_gpu_deterministic_ops=true", "gpu", True),
+        ("--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops", "gpu", True),
+        (
+            "--xla_gpu_deterministic_ops=true --xla_gpu_enable_scatter_determinism_expander=false",
+            "gpu",
+            False,
+        ),
+        ("--xla_gpu_deterministic_ops=false", "gpu", False),
+        ("--xla_gpu_deterministic_ops=true", "cpu", False),  # a CPU's scatters are not rewritten
+        ("", "gpu", False),
+    ],
+)
+def test_xla_flags_that_misplace_dropped_writes_on_a_gpu_are_refused(xla_flags, backend, refused):
+    from specjax.cli import refuse_unsafe_xla_flags
+
+    if refused:
+        with pytest.raises(errors.UsageError, match="scatter_determinism_expander=false"):
+            refuse_unsafe_xla_flags(xla_flags, backend)
+    else:
+        refuse_unsafe_xla_flags(xla_flags, backend)
+
+
+def test_every_command_checks_its_xla_flags_before_it_starts(monkeypatch, capsys):
+    import jax
+
+    from specjax import cli
+
+    ran = []
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(SystemExit):
+        cli.guarded(ran.append)(["prog"])
+    assert not ran and "error: XLA_FLAGS sets --xla_gpu_deterministic_ops=true" in capsys.readouterr().err
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    cli.guarded(ran.append)(["prog"])
+    assert ran == [["prog"]]

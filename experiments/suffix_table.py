@@ -6,7 +6,7 @@
 - suffix_repeated: greedy, each prompt 4 times in a row: tau over all requests and over the 4th repetitions.
 Rows: suffix chains K = 8 (most frequent path, sized by the match; drawn from the frequencies with q where
 sampling; verifying all K), a frequency tree of 24 nodes, n-gram prompt lookup K = 8 and EAGLE-3's committed head
-(K = 7), which have no store, and the hybrid of a suffix chain and that head (K = 7, `--drafter=hybrid`). The
+(K = 7), which have no store, and the hybrid of a suffix chain and that head (K = 8, `--drafter=hybrid`). The
 store's size and the lookup's cost are in the notes.
 """
 
@@ -47,7 +47,7 @@ def drafters(quick: bool) -> list[tuple]:
         ("suffix tree, 24 nodes", "suffix", dataclasses.replace(chain, nodes=24), K, "always"),
         rows[1],
         ("EAGLE-3 chain K=7 (committed head)", "eagle3", registry.get("eagle3").settings(), 7, "always"),
-        ("hybrid: suffix chain or EAGLE-3, K=7", "hybrid", HybridSettings(store_tokens=STORE_TOKENS), 7, "always"),
+        ("hybrid: suffix chain or EAGLE-3, K=8", "hybrid", HybridSettings(store_tokens=STORE_TOKENS), K, "always"),
     ]  # fmt: skip
 
 
@@ -102,13 +102,13 @@ def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
     spec = GenerateSpec(n_new, eos_id=None)
     build = lambda s, k: registry.get("suffix").build(target, s, k, None, Sampler())
     settings = SuffixSettings(store_tokens=STORE_TOKENS)
-    eagle3 = bench.make_drafter("eagle3", big, None, loaded, 7, None, Sampler())
-    suffix7, store7 = build(settings, 7)
+    eagle3 = lambda k: bench.make_drafter("eagle3", big, None, loaded, k, None, Sampler())
+    (suffix, store), (fallback, fparams) = build(settings, K), eagle3(K)
     drafters = [  # (method, drafter, params)
-        ("suffix chain", *build(settings, K)),
+        ("suffix chain", suffix, store),
         ("suffix chain, verifies K", *build(dataclasses.replace(settings, spec_factor=float(K), min_prob=0.0), K)),
-        ("EAGLE-3 chain K=7 (committed head)", *eagle3),
-        ("hybrid: suffix chain or EAGLE-3, K=7", Hybrid(suffix7, eagle3[0]), {"suffix": store7, "fallback": eagle3[1]}),
+        ("EAGLE-3 chain K=7 (committed head)", *eagle3(7)),
+        ("hybrid: suffix chain or EAGLE-3, K=8", Hybrid(suffix, fallback), {"suffix": store, "fallback": fparams}),
     ]  # fmt: skip
     ar, _ = compile_decode(cfg, graphdef, params, [prompts[0]], spec, bucket=32)
     outputs = [np.asarray(ar([prompt]).tokens)[0].tolist() for prompt in prompts]

@@ -2,6 +2,9 @@
 taken from the store where it expects enough accepted tokens and from EAGLE elsewhere; bad pairings are refused.
 Sampled, with the store's frequencies as q, its exactness and control are test_verification's verify_exactness case."""
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 from conftest import TINY
@@ -66,6 +69,59 @@ def test_greedy_equals_ar_and_each_row_drafts_from_the_better_source():
     gen = speculative_generate(TINY, graphdef, params, late, lparams, RAGGED, spec)
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     assert eagle_tau[0] < per_row_tau(gen)[0] < tau[0]
+
+
+class Fallback:
+    """EAGLE as the hybrid's fallback, counting the rounds it only caught up (`catch_up=True`) or without its
+    `catch_up` (`catch_up=False`: it drafts every round)."""
+
+    def __init__(self, eagle, catch_up: bool):
+        self.eagle, self.caught_up = eagle, []
+        if catch_up:
+            self.catch_up = self.counted_catch_up
+
+    def __getattr__(self, name):
+        if name == "catch_up":
+            raise AttributeError(name)
+        return getattr(self.eagle, name)
+
+    def counted_catch_up(self, *args):
+        jax.debug.callback(lambda: self.caught_up.append(1))
+        return self.eagle.catch_up(*args)
+
+
+# sampled: a fallback taken to accept almost nothing, for long, so that the store drafts wherever it has a match (the
+# random heads' near-uniform q matches the random target's near-uniform p at T = 1: they accept much)
+@pytest.mark.parametrize("temperature, threshold, decay", [(0.0, 2.0, 0.8), (1.0, 0.01, 0.999)])
+def test_rounds_the_store_drafts_alone_skip_the_fallbacks_search_and_change_nothing(
+    temperature, threshold, decay
+):
+    graphdef, params = TARGET
+    sampler = Sampler(temperature)
+    spec = GenerateSpec(40, sampler, eos_id=None)
+    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, GenerateSpec(40, eos_id=None)).tokens)
+    stored = [prompt + out.tolist() for prompt, out in zip(RAGGED, ar)] * 3  # every row's greedy text
+    drafter, dparams = hybrid(TINY, params, sampler, stored, threshold, temperature > 0, decay)
+    runs = {}
+    for catch_up in (True, False):
+        fallback = Fallback(drafter.fallback, catch_up)
+        gen = speculative_generate(
+            TINY,
+            graphdef,
+            params,
+            dataclasses.replace(drafter, fallback=fallback),
+            dparams,
+            RAGGED,
+            spec,
+            7,
+        )
+        runs[catch_up] = gen, len(fallback.caught_up)
+    (skipping, caught_up), (drafting, none) = runs[True], runs[False]
+    assert caught_up > 0 and none == 0
+    np.testing.assert_array_equal(np.asarray(skipping.tokens), np.asarray(drafting.tokens))
+    np.testing.assert_array_equal(per_row_tau(skipping), per_row_tau(drafting))
+    if not temperature:
+        np.testing.assert_array_equal(np.asarray(skipping.tokens), ar)
 
 
 def test_the_store_starts_trusted_when_greedy_and_at_the_sampled_prior_when_sampling(stories):

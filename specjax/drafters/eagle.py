@@ -138,13 +138,14 @@ class Eagle(KOrTree):
 
         return step
 
-    def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
-        # Re-read the last round with true features: slots committed .. n_tokens - 2 hold (token i + 1, feature i).
-        # The last round accepted at most K_max tokens: the state is the largest K's (adaptive K may draft fewer).
+    def reread(self, params, state: EagleState, seq_BS, n_tokens_B):
+        """(logits, features, cache) of the last round re-read with the target's true features: slots committed ..
+        n_tokens - 2 hold (token i + 1, feature i). The last round accepted at most K_max tokens: the state is the
+        largest K's (adaptive K may draft fewer)."""
         w = state.feats.shape[1]
         positions = state.committed[:, None] + jnp.arange(w)[None]
         tokens = jnp.take_along_axis(seq_BS, jnp.minimum(positions + 1, seq_BS.shape[1] - 1), axis=1)
-        logits, feats, cache = self.apply(
+        return self.apply(
             params,
             tokens,
             self.fuse(params, state.feats[:, :w]),
@@ -152,6 +153,14 @@ class Eagle(KOrTree):
             state.cache.with_length(state.committed),
             causal_mask(w),
         )
+
+    def catch_up(self, params, state: EagleState, seq_BS, n_tokens_B) -> EagleState:
+        """The state `propose` leaves, without drafting: for a round whose draft comes from elsewhere."""
+        _, _, cache = self.reread(params, state, seq_BS, n_tokens_B)
+        return EagleState(cache.with_length(n_tokens_B - 1), state.feats, n_tokens_B - 1)
+
+    def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
+        logits, feats, cache = self.reread(params, state, seq_BS, n_tokens_B)
         root = (n_tokens_B - 2 - state.committed)[
             :, None, None
         ]  # the slot that predicts after the pending token

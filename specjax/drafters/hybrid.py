@@ -9,8 +9,9 @@ promise more than the target accepts: on stories260K's rollouts at T = 0.7-1 the
 tokens they expected); the fallback's is a moving average of the draft tokens accepted in the row's rounds it
 drafted, starting at `threshold`. Neither reads a token drafted this round, so each row's draft is drawn from the
 distribution its q states and every acceptance rule stays exact. The fallback drafts every round (its state follows
-the committed tokens whichever draft they came from): a round costs its draft, the store's lookup and one
-verification.
+the committed tokens whichever draft they came from), except in a round where every row drafts from the store: a
+fallback that can (EAGLE's `catch_up`) then only re-reads the last round. A round costs its draft, the store's lookup
+and one verification.
 """
 
 from __future__ import annotations
@@ -91,10 +92,23 @@ class Hybrid:
     def propose(self, params, state: HybridState, seq_BS, n_tokens_B, key):
         key_suffix, key_fallback = jax.random.split(key)
         stored, expected_B = self.suffix.scored(params["suffix"], seq_BS, n_tokens_B, key_suffix)
-        drawn, fallback_state = self.fallback.propose(
+        use_B = state.store_calibration * expected_B > state.fallback_accepted
+        fallback = lambda: self.fallback.propose(
             params["fallback"], state.fallback, seq_BS, n_tokens_B, key_fallback
         )
-        use_B = state.store_calibration * expected_B > state.fallback_accepted
+        if hasattr(
+            self.fallback, "catch_up"
+        ):  # where every row drafts from the store, the fallback only catches up
+
+            def caught_up():
+                unused = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fallback)[0])
+                return unused, self.fallback.catch_up(
+                    params["fallback"], state.fallback, seq_BS, n_tokens_B
+                )
+
+            drawn, fallback_state = jax.lax.cond(jnp.all(use_B), caught_up, fallback)
+        else:
+            drawn, fallback_state = fallback()
         tokens = jnp.where(use_B[:, None], stored.tokens, drawn.tokens)
         q = None
         if stored.q_probs is not None or drawn.q_probs is not None:

@@ -5,6 +5,7 @@ degenerate single-K case is the fixed-K loop."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -226,13 +227,13 @@ def test_a_batch_waits_for_its_slowest_row():
     row with 32 tokens left (10.96 rounds, 30.7 AR rounds' time, exact batch model) but not for two rows (33.4 > 32:
     the batch waits for its slower row), so K = 0 from batch 2 on, as the exact model says; with a long queue
     behind the rows, K = 4 again."""
-    adaptive = AdaptiveK((0, 4), (1.0, 2.8), prior=0.75)
+    pick = jax.jit(AdaptiveK((0, 4), (1.0, 2.8), prior=0.75).pick)
     counts = jnp.zeros((2, 4))
-    assert [int(adaptive.pick(counts, jnp.full(b, 32))) for b in (1, 2, 4, 16)] == [1, 0, 0, 0]
-    assert int(adaptive.pick(counts, jnp.array([32, 0, 0, 0]))) == 1  # rows that are done do not count
+    assert [int(pick(counts, jnp.full(b, 32))) for b in (1, 2, 4, 16)] == [1, 0, 0, 0]
+    assert int(pick(counts, jnp.array([32, 0, 0, 0]))) == 1  # rows that are done do not count
     # a queue behind the rows (slots refilled as they end: 200 tokens more each) is work the slowest row no longer
     # holds up: K = 4 pays again
-    assert int(adaptive.pick(counts, jnp.full(4, 32 + 200))) == 1
+    assert int(pick(counts, jnp.full(4, 32 + 200))) == 1
 
 
 def test_one_k_is_the_fixed_k_loop():

@@ -161,9 +161,8 @@ class Eagle(KOrTree):
 
     def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
         logits, feats, cache = self.reread(params, state, seq_BS, n_tokens_B)
-        root = (n_tokens_B - 2 - state.committed)[
-            :, None, None
-        ]  # the slot that predicts after the pending token
+        # the slot that predicts after the pending token
+        root = (n_tokens_B - 2 - state.committed)[:, None, None]
         root_logits = jnp.take_along_axis(logits, root, axis=1)[:, 0]
         root_feat = jnp.take_along_axis(feats, root, axis=1)[:, 0]
         cache = cache.with_length(n_tokens_B - 1)

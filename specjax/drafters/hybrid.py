@@ -96,9 +96,8 @@ class Hybrid:
         fallback = lambda: self.fallback.propose(
             params["fallback"], state.fallback, seq_BS, n_tokens_B, key_fallback
         )
-        if hasattr(
-            self.fallback, "catch_up"
-        ):  # where every row drafts from the store, the fallback only catches up
+        # where every row drafts from the store, a fallback that can only catches up (no draft of its own)
+        if hasattr(self.fallback, "catch_up"):
 
             def caught_up():
                 unused = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fallback)[0])

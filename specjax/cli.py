@@ -77,8 +77,9 @@ def guarded(main: Callable, errors: tuple = (), status: int = 1, positional: boo
     return wrapper
 
 
-DETERMINISTIC_OPS = re.compile(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)")
-LOOP_SCATTER = re.compile(r"--xla_gpu_enable_scatter_determinism_expander=(false|0)(\s|$)")
+# a boolean flag in any spelling a flag parser may accept (true/1, t/yes/y; false/0, f/no/n; any case); alone: true
+DETERMINISTIC_OPS = re.compile(r"--xla_gpu_deterministic_ops(=(true|t|yes|y|1))?(\s|$)", re.I)
+LOOP_SCATTER = re.compile(r"--xla_gpu_enable_scatter_determinism_expander=(false|f|no|n|0)(\s|$)", re.I)
 
 
 def refuse_unsafe_xla_flags(xla_flags: str, backend: str | None = None) -> None:

@@ -273,6 +273,7 @@ def test_library_errors_are_typed(call, error):
     [
         ("--xla_gpu_deterministic_ops=true", "gpu", True),
         ("--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops", "gpu", True),
+        ("--xla_gpu_deterministic_ops=True", "gpu", True),
         (
             "--xla_gpu_deterministic_ops=true --xla_gpu_enable_scatter_determinism_expander=false",
             "gpu",

@@ -138,7 +138,7 @@ class Eagle(KOrTree):
 
         return step
 
-    def reread(self, params, state: EagleState, seq_BS, n_tokens_B):
+    def reread(self, params, state: EagleState, seq_BS):
         """(logits, features, cache) of the last round re-read with the target's true features: slots committed ..
         n_tokens - 2 hold (token i + 1, feature i). The last round accepted at most K_max tokens: the state is the
         largest K's (adaptive K may draft fewer)."""
@@ -156,11 +156,11 @@ class Eagle(KOrTree):
 
     def catch_up(self, params, state: EagleState, seq_BS, n_tokens_B) -> EagleState:
         """The state `propose` leaves, without drafting: for a round whose draft comes from elsewhere."""
-        _, _, cache = self.reread(params, state, seq_BS, n_tokens_B)
+        _, _, cache = self.reread(params, state, seq_BS)
         return EagleState(cache.with_length(n_tokens_B - 1), state.feats, n_tokens_B - 1)
 
     def propose(self, params, state: EagleState, seq_BS, n_tokens_B, key):
-        logits, feats, cache = self.reread(params, state, seq_BS, n_tokens_B)
+        logits, feats, cache = self.reread(params, state, seq_BS)
         # the slot that predicts after the pending token
         root = (n_tokens_B - 2 - state.committed)[:, None, None]
         root_logits = jnp.take_along_axis(logits, root, axis=1)[:, 0]

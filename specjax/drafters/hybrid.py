@@ -96,7 +96,7 @@ class Hybrid:
         fallback = lambda: self.fallback.propose(
             params["fallback"], state.fallback, seq_BS, n_tokens_B, key_fallback
         )
-        # where every row drafts from the store, a fallback that can only catches up (no draft of its own)
+        # where every row drafts from the store, a fallback that can catch up only does so (it drafts nothing)
         if hasattr(self.fallback, "catch_up"):
 
             def caught_up():

@@ -189,3 +189,36 @@ def test_sampled_frequency_tree_is_distributed_as_ar_and_the_control_is_caught()
         "suffix", ("tokenwise",), model="stories260K", k=4, settings=settings, greedy=False, samples=1000
     )
     assert [r.verdict(report.alpha) for r in report.rules] == ["PASS"], report.format()
+
+
+def test_reference_replay_finds_the_longest_path_the_output_continues():
+    from experiments.suffix_reference import accepted, replay
+
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 2]  # 5 -> 7 -> 8 and 6 under the root
+    assert [accepted(tokens, parents, t) for t in ([5, 7, 8, 1], [6, 7], [5, 8], [9])] == [3, 1, 1, 0]
+    # each round keeps what the draft continues and one token more: 3 rounds for 5 tokens, then 1 with a store
+    speculate = lambda prompt, done, store: ([5, 7, 8], [-1, 0, 1]) if store else ([], [])
+    assert replay([([1], [2, 3, 4]), ([1], [5, 7, 8, 9])], True, speculate, lambda *a: True) == (1 + 4) / 2
+
+
+@pytest.mark.parametrize("nodes", [0, 12])
+def test_replay_of_greedy_outputs_counts_the_rounds_decoding_takes(stories, nodes):
+    """Replaying a greedy output through specjax's drafter (experiments.suffix_reference) takes the rounds that
+    speculative decoding took, with the prefill's token given and the store learning between requests."""
+    from experiments.suffix_reference import specjax_replay
+
+    prompt = stories.tokenizer.encode("Lily went to the park")
+    spec = GenerateSpec(24, eos_id=None)
+    drafter, params = suffix.Suffix(8, stories.cfg.vocab_size, nodes=nodes), suffix.empty_store(65_536)
+    run, _ = compile_decode(stories.cfg, stories.graphdef, stories.params, [prompt], spec, drafter, params)
+    taus, requests = [], []
+    for _ in range(2):
+        gen = run([prompt], 0, params)
+        output = np.asarray(gen.tokens)[0].tolist()
+        taus.append(int(gen.stats.emitted[0]) / int(gen.stats.row_rounds[0]))
+        requests.append(
+            (prompt + output[:1], output[1:])
+        )  # decoding's rounds start after the prefill's token
+        params = drafter.absorb(params, [prompt + output])
+    assert taus[1] > 3 * taus[0]
+    assert specjax_replay(stories, requests, True, nodes) == pytest.approx(np.mean(taus), abs=1e-12)

@@ -11,8 +11,9 @@ pass, averaged over the requests (the reference simulator's figure).
 The reference is C++ with Python bindings (nanobind). Its full package needs vLLM and torch, its suffix-decoding
 module alone builds on a CPU:
 
-    pip download arctic-inference==0.3.0 --no-deps --no-binary :all: -d /tmp/arctic && tar -C /tmp/arctic -xzf ...
-    pip install --target /tmp/nb nanobind && cd /tmp/arctic/arctic_inference-0.3.0/csrc/suffix_decoding
+    pip download arctic-inference==0.3.0 --no-deps --no-binary :all: -d /tmp/arctic
+    tar -C /tmp/arctic -xzf /tmp/arctic/arctic_inference-0.3.0.tar.gz && pip install --target /tmp/nb nanobind
+    cd /tmp/arctic/arctic_inference-0.3.0/csrc/suffix_decoding
     cmake -B build -DPython_EXECUTABLE=$(which python) -Dnanobind_ROOT=$(PYTHONPATH=/tmp/nb python -m nanobind
         --cmake_dir) && make -C build && cp build/_C*.so ../../arctic_inference/suffix_decoding/
 
@@ -40,7 +41,7 @@ flags.DEFINE_string(
     "reference", "", "Folder from which `arctic_inference.suffix_decoding` imports (see above)."
 )
 flags.DEFINE_integer("seeds", 3, "Rollout sets recorded per temperature (each from its own seeds).")
-flags.DEFINE_string("results", "results", "Folder the table is written to.")
+flags.DEFINE_string("results", str(harness.RESULTS), "Folder the table is written to.")
 
 K, NEW, STORE_TOKENS, NODES = 8, 128, 65_536, 24
 
@@ -95,9 +96,8 @@ def reference_replay(requests, shared: bool) -> float:
     current = {}
 
     def speculate(prompt, done, store):
-        if (
-            not done
-        ):  # a new request: the previous one ends, its output stays in the global tree when shared
+        # a new request: the previous one ends (its output stays in the global tree when shared)
+        if not done:
             if current:
                 cache.stop_request(current.pop("id"))
             current.update(id=next(ids), n=0)

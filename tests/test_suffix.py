@@ -216,9 +216,8 @@ def test_replay_of_greedy_outputs_counts_the_rounds_decoding_takes(stories, node
         gen = run([prompt], 0, params)
         output = np.asarray(gen.tokens)[0].tolist()
         taus.append(int(gen.stats.emitted[0]) / int(gen.stats.row_rounds[0]))
-        requests.append(
-            (prompt + output[:1], output[1:])
-        )  # decoding's rounds start after the prefill's token
+        # decoding's rounds start after the prefill's token
+        requests.append((prompt + output[:1], output[1:]))
         params = drafter.absorb(params, [prompt + output])
     assert taus[1] > 3 * taus[0]
     assert specjax_replay(stories, requests, True, nodes) == pytest.approx(np.mean(taus), abs=1e-12)

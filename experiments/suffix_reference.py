@@ -37,11 +37,17 @@ from specjax.errors import SuffixError
 from specjax.sampling import Sampler
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string(
-    "reference", "", "Folder from which `arctic_inference.suffix_decoding` imports (see above)."
-)
-flags.DEFINE_integer("seeds", 3, "Rollout sets recorded per temperature (each from its own seeds).")
-flags.DEFINE_string("results", str(harness.RESULTS), "Folder the table is written to.")
+
+
+def define_flags() -> None:
+    """This script's flags, defined when it runs (not on import: tests import its functions beside other
+    experiments' flags)."""
+    flags.DEFINE_string(
+        "reference", "", "Folder from which `arctic_inference.suffix_decoding` imports (see above)."
+    )
+    flags.DEFINE_integer("seeds", 3, "Rollout sets recorded per temperature (each from its own seeds).")
+    flags.DEFINE_string("results", str(harness.RESULTS), "Folder the table is written to.")
+
 
 K, NEW, STORE_TOKENS, NODES = 8, 128, 65_536, 24
 
@@ -166,4 +172,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -120,19 +120,18 @@ def specjax_replay(target, requests, shared: bool, nodes: int) -> float:
     drafter = suffix.Suffix(K, target.cfg.vocab_size, nodes=nodes)
     size = max(len(p) + len(o) for p, o in requests) + 1
     draft = jax.jit(lambda params, seq, n: drafter.propose(params, (), seq, n, jax.random.key(0))[0])
+    empty = suffix.empty_store(STORE_TOKENS)
 
     def speculate(prompt, done, store):
         text = np.zeros((1, size), np.int32)
         text[0, : len(prompt) + len(done)] = prompt + done
-        d = jax.device_get(
-            draft(store or suffix.empty_store(STORE_TOKENS), text, np.array([len(prompt + done)]))
-        )
+        d = jax.device_get(draft(store or empty, text, np.array([len(prompt + done)])))
         if nodes:  # node i + 1 under node parent[i + 1] (0: the root)
             return d.tokens[0].tolist(), (np.asarray(d.layout.parent)[0, 1:] - 1).tolist()
         n = d.lengths[int(d.choice)]
         return d.tokens[0, :n].tolist(), list(range(-1, n - 1))
 
-    learn = lambda store, p, o: drafter.absorb(store or suffix.empty_store(STORE_TOKENS), [p + o])
+    learn = lambda store, p, o: drafter.absorb(store or empty, [p + o])
     return replay(requests, shared, speculate, learn)
 
 

@@ -17,7 +17,6 @@ from experiments import common, harness
 from experiments.harness import write_table
 from specjax import cli, heads
 from specjax.decoding import generate
-from specjax.drafting import registry
 from specjax.drafting.trees import DynamicTree, medusa_like
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -84,23 +83,24 @@ def main(argv):
         (eagle, "dynamic 4,5,24", 5, DynamicTree(4, 5, 24)),
         (eagle, "dynamic 8,6,48", 6, DynamicTree(8, 6, 48)),
     ]
+    drafters = [harness.AR] + [
+        harness.registered(label[name], shape, name, k, tree, **settings)
+        for (name, settings), shape, k, tree in configs
+    ]
     rows = []
     for temperature in map(float, FLAGS.temperatures):
-        sampler = Sampler(temperature)
-        spec = harness.generate_spec(n, sampler, eos_id=None)
-
-        def drafters():
-            for (name, settings), shape, k, tree in configs:
-                entry = registry.get(name)
-                yield (
-                    (label[name], shape),
-                    *entry.build(target, entry.settings(**settings), k, tree, sampler),
+        spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
+        for m in harness.decode_rows(target, prompts, spec, drafters, FLAGS.repeats):
+            metric = m.metrics
+            rows.append(
+                dict(
+                    drafter="none (AR)" if m.stats is None else m.row.method,
+                    draft=m.row.setting,
+                    T=temperature,
                 )
-
-        model = (cfg, graphdef, params)
-        for key, _, r in common.versus_ar(model, prompts, spec, FLAGS.repeats, drafters()):
-            drafter, draft = key or ("none (AR)", "-")
-            rows.append(dict(drafter=drafter, draft=draft, T=temperature) | r)
+                | dict(tau=metric["tau"], draft_eff=metric.get("draft_efficiency", np.nan))
+                | dict(tok_s=len(prompts) * n / m.seconds, speedup=m.speedup)
+            )
             print(rows[-1], flush=True)
     title = (
         f"Drafting heads vs a draft model on stories260K: batch 1, {len(prompts)} prompts x {n} new tokens, "

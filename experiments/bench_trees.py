@@ -9,7 +9,7 @@ side by side in one run. Writes results/bench_trees.{md,csv}.
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import per_call_seconds, versus_ar
+from experiments.common import per_call_seconds
 from experiments.harness import write_table
 from specjax import cli
 from specjax.drafters.draft_model import DraftModel, truncated_target
@@ -48,23 +48,26 @@ def main(argv):
     one_token = per_call_seconds(cfg, graphdef, params, 1, 256, FLAGS.repeats)
     for temperature in map(float, FLAGS.temperatures):
         spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
-        drafters = (
-            (
+        drafters = [harness.AR] + [
+            harness.Row(
                 name,
-                DraftModel(dcfg, dgraphdef, 4 if tree is None else tree.depth, Sampler(temperature), tree),
-                dparams,
+                build=lambda target, sampler, tree=tree: (
+                    DraftModel(dcfg, dgraphdef, 4 if tree is None else tree.depth, sampler, tree),
+                    dparams,
+                ),
             )
             for name, tree in TREES
-        )
-        for name, drafter, r in versus_ar((cfg, graphdef, params), prompts, spec, FLAGS.repeats, drafters):
+        ]
+        for m in harness.decode_rows(target, prompts, spec, drafters, FLAGS.repeats):
+            drafter = m.row.build and m.row.build(target, spec.sampler)[0]
             nodes = 1 if drafter is None else drafter.shape.size
             verify = (
                 drafter and per_call_seconds(cfg, graphdef, params, nodes, 256, FLAGS.repeats) / one_token
             )
             rows.append(
-                dict(tree=name or "none (AR)", nodes=nodes, T=temperature, tau=r["tau"])
-                | dict(verify_cost=verify or 1.0)
-                | dict(tok_s=r["tok_s"], speedup=r["speedup"])
+                dict(tree="none (AR)" if drafter is None else m.row.method, nodes=nodes, T=temperature)
+                | dict(tau=m.metrics["tau"], verify_cost=verify or 1.0)
+                | dict(tok_s=len(prompts) * n / m.seconds, speedup=m.speedup)
             )
             print(rows[-1], flush=True)
     title = (

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.harness import median_time
-from specjax.metrics import pooled
 from specjax.models.llama import causal_mask, forward, init_cache
 
 # What `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4).
@@ -136,20 +135,6 @@ def decode_seconds(
             tokens.append(np.asarray(first.tokens[0]).tolist())
         total += median_time(lambda: jax.block_until_ready(run([p])), repeats)
     return total, stats
-
-
-def versus_ar(model, prompts, spec, repeats: int, drafters):
-    """AR, then each (key, drafter, params) of the iterable `drafters` (built lazily, one at a time) on the
-    prompts (`decode_seconds`); yields (key, drafter, dict(tau, draft_eff, tok_s, speedup over AR)), key and
-    drafter None for AR."""
-    n_tokens = len(prompts) * spec.max_new_tokens
-    ar_s, _ = decode_seconds(*model, prompts, spec, repeats)
-    yield None, None, dict(tau=1.0, draft_eff=float("nan"), tok_s=n_tokens / ar_s, speedup=1.0)
-    for key, drafter, dparams in drafters:
-        spec_s, stats = decode_seconds(*model, prompts, spec, repeats, drafter, dparams)
-        m = pooled(stats)  # all prompts together
-        row = dict(tau=m["tau"], draft_eff=m["draft_efficiency"], tok_s=n_tokens / spec_s)
-        yield key, drafter, row | dict(speedup=ar_s / spec_s)
 
 
 def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32):

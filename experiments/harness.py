@@ -1,5 +1,6 @@
-"""The benchmarks' one harness: prompt sets by category, timing in turns with per-round ratios and medians, the
-analytic prediction, the matrix-product precision flag, and stamped writing of md/csv/png (`specjax.results`).
+"""The benchmarks' one harness: prompt sets by category, timing in turns with per-round ratios and medians, decode
+rows declared (`Row`, `registered`) and measured against AR (`decode_rows`), the analytic prediction, the
+matrix-product precision flag, and stamped writing of md/csv/png (`specjax.results`).
 
 A benchmark declares its rows (dicts whose keys are the columns) and what is specific to it; everything it times,
 predicts or writes goes through here.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +127,104 @@ def ratio(num: list[float], den: list[float], less: float = 0.0) -> float:
     """Median over rounds of (num - less) / (den - less): a speedup taken within each round of
     `interleaved_times` (`less`: a fixed cost both share, e.g. prefill)."""
     return statistics.median((x - less) / (y - less) for x, y in zip(num, den))
+
+
+# --- decode tables: rows declared, decoded and timed against AR ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A drafter row of a decode table, declared: how the table names it, and how to build it for a sampler
+    (`build(target, sampler) -> (drafter, params)`; None: AR). `k`: its chain length where it is a chain (the
+    i.i.d. prediction of tau), else None."""
+
+    method: str
+    setting: str = "-"
+    build: Callable | None = None
+    k: int | None = None
+
+
+AR = Row("AR")
+
+
+def registered(method: str, setting: str, name: str, k: int, tree=None, **settings) -> Row:
+    """A row of the registered drafter `name` with `settings`, K and a tree (or its spec, as
+    `specjax.drafting.trees.parse_tree` reads it; None: a chain)."""
+    from specjax.drafting import registry
+    from specjax.drafting.trees import parse_tree
+
+    entry = registry.get(name)
+    shape = parse_tree(tree) if isinstance(tree, str) else tree
+    build = lambda target, sampler: entry.build(target, entry.settings(**settings), k, shape, sampler)
+    return Row(method, setting, build, None if shape else k)
+
+
+@dataclasses.dataclass
+class Measured:
+    """A row decoded on every prompt: seconds summed over the prompts (medians; nan untimed), AR's seconds timed
+    in turns with it, each prompt's statistics (None for AR) and its new tokens (seed 0)."""
+
+    row: Row
+    seconds: float
+    ar_seconds: float
+    stats: list | None
+    tokens: list[list[int]]
+
+    @property
+    def metrics(self) -> dict:
+        """The prompts' statistics pooled (`specjax.metrics.pooled`): tau, acceptance rate, alpha, ..."""
+        from specjax.metrics import pooled
+
+        return {"tau": 1.0} if self.stats is None else pooled(self.stats)
+
+    @property
+    def speedup(self) -> float:
+        return self.ar_seconds / self.seconds
+
+
+def decode_rows(target, prompts, spec, rows, repeats: int, bucket: int = 8):
+    """Yields a `Measured` for each of `rows` (`AR` among them or not) on the prompts, batch 1, each prompt's
+    width padded to a multiple of `bucket` (one compile per width): each row timed in turns with AR on each
+    prompt (`interleaved_times`; `repeats=0`: untimed, the statistics and tokens only), its compiled programs
+    released before the next row is built (XLA CPU maps every program's code until it is freed)."""
+    import gc
+
+    import jax
+
+    from specjax.decoding import compile_decode
+
+    model = (target.cfg, target.graphdef, target.params)
+    ar = {}
+
+    def compiled(runs: dict, p, drafter=None, dparams=None):
+        width = -(-len(p) // bucket)
+        if width not in runs:
+            runs[width] = compile_decode(*model, [p], spec, drafter, dparams, bucket)[0]
+        return runs[width]
+
+    for row in rows:
+        drafter, dparams = (None, None) if row.build is None else row.build(target, spec.sampler)
+        runs = ar if drafter is None else {}
+        seconds = ar_seconds = 0.0 if repeats else float("nan")
+        stats, tokens = [], []
+        for p in prompts:
+            run = compiled(runs, p, drafter, dparams)
+            out = jax.block_until_ready(run([p]))
+            stats.append(getattr(out, "stats", None))
+            tokens.append(np.asarray(out.tokens[0]).tolist())
+            if repeats:
+                fns = {"row": lambda: jax.block_until_ready(run([p]))}
+                if drafter is not None:
+                    base = compiled(ar, p)
+                    fns["AR"] = lambda: jax.block_until_ready(base([p]))
+                times = {k: statistics.median(v) for k, v in interleaved_times(fns, repeats).items()}
+                seconds += times["row"]
+                ar_seconds += times.get("AR", times["row"])
+        measured = Measured(row, seconds, ar_seconds, None if drafter is None else stats, tokens)
+        runs = run = drafter = dparams = None  # the programs freed before the next row compiles
+        jax.clear_caches()
+        gc.collect()
+        yield measured
 
 
 # --- the analytic prediction -----------------------------------------------------------------------------

@@ -46,8 +46,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import common, harness
-from specjax import analysis, cli, metrics
-from specjax.drafting.trees import DynamicTree, parse_tree
+from specjax import analysis, cli
 from specjax.sampling import Sampler
 
 SECTIONS = (
@@ -83,24 +82,8 @@ LITERATURE = [
 ]
 
 
-# Prompts are padded to a multiple of 64 tokens (one compiled loop per category and drafter), and compiled programs
-# are released after each measurement: XLA CPU maps every compiled program's code, and thousands of them exhaust
-# the process's memory maps (vm.max_map_count).
+# Prompts are padded to a multiple of 64 tokens: one compiled loop per category and drafter (`harness.decode_rows`).
 BUCKET = 64
-
-
-def timed(cfg, graphdef, params, prompts, spec, repeats: int, drafter=None, dparams=None, tokens=None):
-    """`common.decode_seconds` with `BUCKET`, then the compiled programs released."""
-    import gc
-
-    import jax
-
-    out = common.decode_seconds(
-        cfg, graphdef, params, prompts, spec, repeats, drafter, dparams, BUCKET, tokens
-    )
-    jax.clear_caches()
-    gc.collect()
-    return out
 
 
 # --- Leviathan et al. 2023 ---------------------------------------------------------------------------------
@@ -198,84 +181,62 @@ def categories(tokenizer, quick: bool) -> dict:
     }
 
 
-def methods(quick: bool) -> list[tuple]:
-    """(method, setting, registered drafter, its settings, K, tree spec or None for a chain)."""
-    rows = [("ngram", "chain K=4, n=1..3", "ngram", {}, 4, None)]
+def methods(quick: bool, datastore=None) -> list[harness.Row]:
+    """The main table's drafter rows (the retrieval row drafts from `datastore`, `common.story_datastore`)."""
+    from specjax.drafters.retrieval import Retrieval
+
+    reg = harness.registered
+    rows = [reg("ngram", "chain K=4, n=1..3", "ngram", 4)]
     if quick:
         return rows
+    retrieval = lambda *_: (Retrieval(4), Retrieval.params(datastore))
     return rows + [
-        ("eagle", "chain K=5", "eagle", {}, 5, None),
-        (
-            "draft_model",
-            "stories260K's first layer, chain K=4",
-            "draft_model",
-            {"draft_layers": 1},
-            4,
-            None,
-        ),
-        ("quantized", "int8, chain K=4", "quantized", {"bits": 8}, 4, None),
-        (
+        reg("eagle", "chain K=5", "eagle", 5),
+        reg("draft_model", "stories260K's first layer, chain K=4", "draft_model", 4, draft_layers=1),
+        reg("quantized", "int8, chain K=4", "quantized", 4, bits=8),
+        reg(
             "layer_skip",
             f"layers {common.LAYER_SKIP}, chain K=4",
             "layer_skip",
-            {"layers": common.LAYER_SKIP},
             4,
-            None,
+            layers=common.LAYER_SKIP,
         ),
-        ("retrieval", "65,536-token datastore, chain K=4", "retrieval", {}, 4, None),
-        ("lookahead", "window 4, 4 guesses", "lookahead", {}, 4, None),
-        ("medusa", "chain K=4", "medusa", {}, 4, None),
-        ("medusa", "tree balanced_2x3", "medusa", {}, 3, "balanced_2x3"),
-        ("eagle (static tree)", "tree medusa60", "eagle", {}, 4, "medusa60"),
-        ("eagle (dynamic tree)", "dynamic 8,6,48", "eagle", {}, 6, "dynamic:8,6,48"),
-        ("eagle3", "chain K=6", "eagle3", {}, 6, None),
-        ("eagle3", "dynamic 8,6,48", "eagle3", {}, 6, "dynamic:8,6,48"),
+        harness.Row("retrieval", "65,536-token datastore, chain K=4", retrieval, 4),
+        reg("lookahead", "window 4, 4 guesses", "lookahead", 4),
+        reg("medusa", "chain K=4", "medusa", 4),
+        reg("medusa", "tree balanced_2x3", "medusa", 3, "balanced_2x3"),
+        reg("eagle (static tree)", "tree medusa60", "eagle", 4, "medusa60"),
+        reg("eagle (dynamic tree)", "dynamic 8,6,48", "eagle", 6, "dynamic:8,6,48"),
+        reg("eagle3", "chain K=6", "eagle3", 6),
+        reg("eagle3", "dynamic 8,6,48", "eagle3", 6, "dynamic:8,6,48"),
     ]
 
 
-def build(target, name: str, settings: dict, k: int, tree, sampler, datastore):
-    from specjax.drafters.retrieval import Retrieval
-    from specjax.drafting import registry
-
-    if name == "retrieval":  # the datastore built once per run (`common.story_datastore`)
-        return Retrieval(k), Retrieval.params(datastore)
-    entry = registry.get(name)
-    return entry.build(target, entry.settings(**settings), k, tree, sampler)
-
-
 def main_rows(target, quick: bool, repeats: int) -> list[dict]:
-    model = (target.cfg, target.graphdef, target.params)
     datastore = None if quick else common.story_datastore(target, 65_536)
     rows = []
     for category, (prompts, n) in categories(target.tokenizer, quick).items():
         for t in (0.0,) if quick else (0.0, 1.0):
-            sampler = Sampler(t)
-            spec = harness.generate_spec(n, sampler, eos_id=None)
-            ar_s, _ = timed(*model, prompts, spec, repeats)
-            base = dict(category=category, T=t)
-            rows.append(
-                dict(method="AR", setting="-", **base, tau=1.0, tok_s=len(prompts) * n / ar_s, speedup=1.0)
-                | dict(a=float("nan"), tau_iid=float("nan"), iid_error=float("nan"))
-            )
-            for method, setting, name, settings, k, tree in methods(quick):
-                drafter, dparams = build(
-                    target, name, settings, k, parse_tree(tree or ""), sampler, datastore
-                )
-                spec_s, stats = timed(*model, prompts, spec, repeats, drafter, dparams)
-                m = metrics.pooled(stats)
-                predicted = (
-                    analysis.expected_tokens_per_round(m["acceptance_rate"], k) if tree is None else np.nan
+            spec = harness.generate_spec(n, Sampler(t), eos_id=None)
+            drafters = [harness.AR, *methods(quick, datastore)]
+            for m in harness.decode_rows(target, prompts, spec, drafters, repeats, BUCKET):
+                metric, nan = m.metrics, float("nan")
+                a = metric.get("acceptance_rate", nan)
+                iid = (
+                    nan
+                    if m.stats is None or m.row.k is None
+                    else analysis.expected_tokens_per_round(a, m.row.k)
                 )
                 rows.append(
                     dict(
-                        method=method,
-                        setting=setting,
-                        **base,
-                        tau=m["tau"],
-                        tok_s=len(prompts) * n / spec_s,
+                        method=m.row.method,
+                        setting=m.row.setting,
+                        category=category,
+                        T=t,
+                        tau=metric["tau"],
                     )
-                    | dict(speedup=ar_s / spec_s, a=m["acceptance_rate"], tau_iid=predicted)
-                    | dict(iid_error=predicted / m["tau"] - 1 if tree is None else np.nan)
+                    | dict(tok_s=len(prompts) * n / m.seconds, speedup=m.speedup, a=a, tau_iid=iid)
+                    | dict(iid_error=iid / metric["tau"] - 1)
                 )
                 logging.info("%s", rows[-1])
     return rows
@@ -378,24 +339,17 @@ def head_tables(out: harness.Writer, quick: bool, target) -> None:
         f"{len(prompts)} prompts",
     )
     rows = []
-    shapes = (("chain K=6", 6, None), ("dynamic 8,6,48", 6, DynamicTree(8, 6, 48)))
+    shapes = (("chain K=6", None), ("dynamic 8,6,48", "dynamic:8,6,48"))
     for method in ("eagle", "eagle3"):
-        for setting, k, tree in shapes[:1] if quick else shapes:
+        for setting, tree in shapes[:1] if quick else shapes:
+            row = harness.registered(
+                "EAGLE-3" if method == "eagle3" else "EAGLE-2", setting, method, 6, tree
+            )
             for t in (0.0,) if quick else (0.0, 1.0):
-                drafter, dparams = build(target, method, {}, k, tree, Sampler(t), None)
                 spec = harness.generate_spec(n, Sampler(t), eos_id=None)
-                _, stats = timed(cfg, target.graphdef, target.params, prompts, spec, 1, drafter, dparams)
-                m = metrics.pooled(stats)
+                m = next(harness.decode_rows(target, prompts, spec, [row], 0, BUCKET)).metrics
                 alphas = {f"alpha_{i + 1}": float(a) for i, a in enumerate(m["alpha"])}
-                rows.append(
-                    dict(
-                        head="EAGLE-3" if method == "eagle3" else "EAGLE-2",
-                        draft=setting,
-                        T=t,
-                        tau=m["tau"],
-                    )
-                    | alphas
-                )
+                rows.append(dict(head=row.method, draft=setting, T=t, tau=m["tau"]) | alphas)
     out.table(
         "heads_eagle_acceptance",
         rows,
@@ -416,18 +370,24 @@ def sweeps(out: harness.Writer, quick: bool, target) -> None:
     ks = (1, 2) if quick else tuple(range(1, 9))
     drafters = ("ngram",) if quick else ("ngram", "medusa", "eagle", "eagle3")
     greedy = harness.generate_spec(n, Sampler(0.0), eos_id=None)
-    ar_s, _ = timed(*model, prompts, greedy, repeats)
+    chains = [  # the committed Medusa head has 4 heads
+        harness.registered(name, f"chain K={k}", name, k)
+        for name in drafters
+        for k in ks
+        if name != "medusa" or k <= 4
+    ]
     k_rows = []
-    for name in drafters:
-        for k in ks:
-            if name == "medusa" and k > 4:
-                continue  # the committed Medusa head has 4 heads
-            drafter, dparams = build(target, name, {}, k, None, Sampler(0.0), None)
-            spec_s, stats = timed(*model, prompts, greedy, repeats, drafter, dparams)
-            m = metrics.pooled(stats)
-            k_rows.append(
-                dict(drafter=name, K=k, tau=m["tau"], a=m["acceptance_rate"], speedup=ar_s / spec_s)
+    for m in harness.decode_rows(target, prompts, greedy, chains, repeats, BUCKET):
+        metric = m.metrics
+        k_rows.append(
+            dict(
+                drafter=m.row.method,
+                K=m.row.k,
+                tau=metric["tau"],
+                a=metric["acceptance_rate"],
+                speedup=m.speedup,
             )
+        )
     for name in drafters:  # the analytic optimum from each drafter's measured a and its measured K=1 cost
         mine = [r for r in k_rows if r["drafter"] == name]
         one = mine[0]
@@ -446,11 +406,15 @@ def sweeps(out: harness.Writer, quick: bool, target) -> None:
     t_rows = []
     for name in drafters:
         for t in temps:
-            drafter, dparams = build(target, name, {}, 4, None, Sampler(t), None)
-            _, stats = timed(
-                *model, prompts, harness.generate_spec(n, Sampler(t), eos_id=None), 1, drafter, dparams
+            spec = harness.generate_spec(n, Sampler(t), eos_id=None)
+            row = harness.registered(name, "chain K=4", name, 4)
+            t_rows.append(
+                dict(
+                    drafter=name,
+                    T=t,
+                    tau=next(harness.decode_rows(target, prompts, spec, [row], 0, BUCKET)).metrics["tau"],
+                )
             )
-            t_rows.append(dict(drafter=name, T=t, tau=metrics.pooled(stats)["tau"]))
     title = f"Temperature on stories260K (chain K=4, {len(prompts)} prompts x {n} tokens): tau"
     out.table("sweep_temperature", t_rows, title)
     batches = (1, 2) if quick else (1, 2, 4, 8, 16)
@@ -460,7 +424,7 @@ def sweeps(out: harness.Writer, quick: bool, target) -> None:
         run_ar = lambda: harness.median_time(lambda: _decode(model, batch, greedy), repeats)
         ar = run_ar()
         for name in drafters[-1:]:
-            drafter, dparams = build(target, name, {}, 4, None, Sampler(0.0), None)
+            drafter, dparams = harness.registered(name, "chain K=4", name, 4).build(target, Sampler(0.0))
             spec = harness.median_time(lambda: _decode(model, batch, greedy, drafter, dparams), repeats)
             b_rows.append(
                 dict(drafter=name, batch=b, ar_tok_s=b * n / ar, spec_tok_s=b * n / spec, speedup=ar / spec)
@@ -510,40 +474,26 @@ def peers(out: harness.Writer, quick: bool, target) -> None:
     )
     prompts = [target.tokenizer.encode(t) for t in texts]
     n, repeats = (8, 1) if quick else (128, FLAGS.repeats)
-    model = (target.cfg, target.graphdef, target.params)
-    ours = [  # (method, drafter, settings, transformers' generate arguments of the same method)
-        ("AR", None, {}, {}),
-        ("n-gram K=4, n=1..3", "ngram", {}, dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)),
-        ("draft model (first layer) K=4", "draft_model", {"draft_layers": 1}, {}),
+    ours = [  # specjax's rows, then transformers' generate arguments of the same methods
+        harness.AR,
+        harness.registered("n-gram K=4, n=1..3", "-", "ngram", 4),
+        harness.registered("draft model (first layer) K=4", "-", "draft_model", 4, draft_layers=1),
     ]
+    assisted = dict(
+        assistant_model=assistant, num_assistant_tokens=4, num_assistant_tokens_schedule="constant"
+    )
+    assisted |= dict(assistant_confidence_threshold=0.0)
+    theirs = [{}, dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3), assisted]
     rows = []
     for t in (0.0,) if quick else (0.0, 1.0):
         spec = harness.generate_spec(n, Sampler(t), eos_id=None)
-        reference = []  # specjax AR's tokens (its row comes first)
-        for method, name, settings, hf_kwargs in ours:
-            drafter, dparams = (
-                (None, None) if name is None else build(target, name, settings, 4, None, Sampler(t), None)
-            )
-            same = reference if name is None else []  # the tokens of the timed runs themselves
-            seconds, stats = timed(*model, prompts, spec, repeats, drafter, dparams, same)
-            tau = 1.0 if name is None else metrics.pooled(stats)["tau"]
+        reference = None  # specjax AR's tokens (its row comes first)
+        for m, hf_kwargs in zip(harness.decode_rows(target, prompts, spec, ours, repeats, BUCKET), theirs):
+            method, reference = m.row.method, reference or m.tokens
             rows.append(
-                dict(
-                    peer="specjax",
-                    method=method,
-                    T=t,
-                    tok_s=len(prompts) * n / seconds,
-                    tau=tau,
-                    same_as_specjax_ar=_same(same, reference, t),
-                )
+                dict(peer="specjax", method=method, T=t, tok_s=len(prompts) * n / m.seconds)
+                | dict(tau=m.metrics["tau"], same_as_specjax_ar=_same(m.tokens, reference, t))
             )
-            if name == "draft_model":
-                hf_kwargs = dict(
-                    assistant_model=assistant,
-                    num_assistant_tokens=4,
-                    num_assistant_tokens_schedule="constant",
-                )
-                hf_kwargs |= dict(assistant_confidence_threshold=0.0)
             tok_s, hf_tau, outputs = common.hf_generate(hf, prompts, n, t, repeats, **hf_kwargs)
             rows.append(
                 dict(
@@ -664,15 +614,11 @@ def systems(out: harness.Writer, quick: bool, target) -> None:
     datastore = None if quick else common.story_datastore(target, 65_536)
     shared = {id(x) for x in jax.tree.leaves(target.params)}
     rows, ar_step = [], None
-    for method, setting, name, settings, k, tree in [("AR", "-", None, {}, 0, None), *methods(quick)]:
-        drafter, dparams = (None, None)
-        if name is not None:
-            drafter, dparams = build(
-                target, name, settings, k, parse_tree(tree or ""), Sampler(0.0), datastore
-            )
+    for row in [harness.AR, *methods(quick, datastore)]:
+        drafter, dparams = (None, None) if row.build is None else row.build(target, Sampler(0.0))
         run, compile_s = compile_decode(*model, [prompt], spec, drafter, dparams)
         seconds = harness.median_time(lambda run=run: jax.block_until_ready(run([prompt])), repeats)
-        rounds = n if name is None else int(jax.device_get(run([prompt]).stats.rounds))
+        rounds = n if drafter is None else int(jax.device_get(run([prompt]).stats.rounds))
         round_ms = 1e3 * seconds / max(rounds, 1)
         ar_step = ar_step or round_ms
         extra = sum(
@@ -680,7 +626,13 @@ def systems(out: harness.Writer, quick: bool, target) -> None:
         )
         kv, state = _loop_memory(model, [prompt], spec, drafter, dparams)
         rows.append(
-            dict(method=method, setting=setting, compile_s=compile_s, rounds=rounds, round_ms=round_ms)
+            dict(
+                method=row.method,
+                setting=row.setting,
+                compile_s=compile_s,
+                rounds=rounds,
+                round_ms=round_ms,
+            )
             | dict(round_over_ar_step=round_ms / ar_step, extra_param_MB=extra / 1e6)
             | dict(target_kv_KB=kv / 1024, draft_state_KB=state / 1024)
         )

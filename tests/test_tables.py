@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tolerance import approx
 
-from experiments import tables
+from experiments import harness, tables
 from specjax import results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,3 +200,22 @@ def test_quick_tables_write_every_file_stamped(tmp_path):
         results.read_stamp(tmp_path / "plain.md")
     with pytest.raises(results.ResultsError, match="a row has columns"):
         results.write_table(tmp_path, "bad", [{"a": 1, "b": 2}, {"a": 1}], "bad")
+
+
+def test_decode_rows_time_each_drafter_in_turns_with_ar(stories):
+    """`harness.decode_rows`: AR's row is the baseline itself (no statistics, speedup 1), a greedy drafter's row
+    has AR's tokens on every prompt and its own acceptance; untimed (`repeats=0`) the same tokens, no seconds."""
+    from specjax.sampling import Sampler
+
+    prompts = [stories.tokenizer.encode(t) for t in ("Once upon a time", "Lily wanted to")]
+    spec = harness.generate_spec(8, Sampler(0.0), eos_id=None)
+    ngram = harness.registered("n-gram", "chain K=4", "ngram", 4)
+    ar, spec_row = harness.decode_rows(stories, prompts, spec, [harness.AR, ngram], 1)
+    assert ar.stats is None and ar.metrics == {"tau": 1.0} and ar.speedup == 1.0 and ar.seconds > 0
+    assert spec_row.row is ngram and spec_row.tokens == ar.tokens and len(ar.tokens) == 2
+    assert spec_row.seconds > 0 and spec_row.ar_seconds > 0
+    assert spec_row.metrics["tau"] == sum(int(s.emitted.sum()) for s in spec_row.stats) / sum(
+        int(s.row_rounds.sum()) for s in spec_row.stats
+    )
+    (untimed,) = harness.decode_rows(stories, prompts, spec, [ngram], 0)
+    assert np.isnan(untimed.seconds) and untimed.tokens == ar.tokens

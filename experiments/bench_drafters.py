@@ -22,8 +22,6 @@ Writes results/bench_drafters.{md,csv} (--smoke: bench_drafters_smoke, a few tok
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -37,7 +35,6 @@ from specjax import cli
 from specjax.decoding import compile_decode
 from specjax.drafters.ngram import NGram
 from specjax.drafters.retrieval import Retrieval
-from specjax.drafting import registry
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 
@@ -62,31 +59,18 @@ GROUNDED = harness.GROUNDED
 CHAIN_DEFAULT = (1, 3)  # n range of the chains with K in 2, 4, 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    drafter: str  # registry name
-    setting: str
-    build: Callable  # (target, sampler) -> (drafter, params)
-    ngram: NGram | None = (
-        None  # the n-gram drafter (transformers' prompt lookup is compared with its chains)
-    )
-
-
-def ngram(d: NGram) -> Setting:
+def ngram(d: NGram) -> harness.Row:
+    """The row of an n-gram drafter (compared with transformers' prompt lookup where it drafts a chain from n = 1)."""
     shape = f"chain K={d.k}" if d.tree is None else f"{d.branches} branches x K={d.k}"
-    return Setting("ngram", f"{shape}, n={d.min_ngram}..{d.max_ngram}", lambda *_: (d, None), d)
+    return harness.Row("ngram", f"{shape}, n={d.min_ngram}..{d.max_ngram}", lambda *_: (d, None), d.k)
 
 
-def registered(name: str, setting: str, k: int, **settings) -> Setting:
-    entry = registry.get(name)
-    return Setting(
-        name,
-        setting,
-        lambda target, sampler: entry.build(target, entry.settings(**settings), k, None, sampler),
-    )
+def registered(name: str, setting: str, k: int, **settings) -> harness.Row:
+    """The chain row of the registered drafter `name`."""
+    return harness.registered(name, setting, name, k, **settings)
 
 
-def settings(target, smoke: bool) -> list[Setting]:
+def settings(target, smoke: bool) -> list[harness.Row]:
     if smoke:
         return [ngram(NGram(2, *CHAIN_DEFAULT)), registered("quantized", "int8, chain K=2", 2, bits=8)]
     chains = [NGram(k, *CHAIN_DEFAULT) for k in (2, 4, 8)]
@@ -94,7 +78,7 @@ def settings(target, smoke: bool) -> list[Setting]:
     trees = [NGram(4, 1, 3, branches=3), NGram(8, 1, 3, branches=2)]
     store = Retrieval.params(common.story_datastore(target, FLAGS.corpus_tokens))
     retrieval = [
-        Setting("retrieval", f"{desc}, suffix 1..8", lambda *_, d=d: (d, store))
+        harness.Row("retrieval", f"{desc}, suffix 1..8", lambda *_, d=d: (d, store))
         for desc, d in [("chain K=4", Retrieval(4)), ("3 branches x K=4", Retrieval(4, branches=3))]
     ]
     return [
@@ -137,7 +121,7 @@ def spec_rows(target, prompts, grounded, spec, settings) -> list[dict]:
         rounds = sum(int(s.row_rounds.sum()) for s in stats[i])
         rows.append(
             dict(
-                drafter=setting.drafter,
+                drafter=setting.method,
                 setting=setting.setting,
                 tau=tau(stats[i]),
                 tau_grounded=tau([s for s, g in zip(stats[i], grounded) if g]),
@@ -172,7 +156,7 @@ def main(argv):
         spec = harness.generate_spec(n, Sampler(temperature), eos_id=None)
         block = spec_rows(target, prompts, grounded, spec, drafters)
         for row, setting in zip(block, [None, *drafters]):
-            d = setting and setting.ngram
+            d = setting.build(target, spec.sampler)[0] if setting and setting.method == "ngram" else None
             hf = (np.nan, np.nan)
             if FLAGS.hf and (setting is None or (d and d.tree is None and d.min_ngram == 1)):
                 lookup = (

@@ -267,7 +267,7 @@ HEAD_FAMILIES = [
     *(("gpt_oss", m) for m in ("medusa", "eagle", "eagle3", "dflash")),
     *(("gemma2", m) for m in ("eagle3", "dflash")),
     *(("gemma3_text", m) for m in ("medusa", "eagle")),
-    ("qwen3", "eagle3"),
+    ("qwen3", "eagle"),
     ("qwen3_moe", "eagle"),
     ("mixtral", "medusa"),
     ("mistral", "dflash"),

@@ -78,15 +78,15 @@ def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(budgets, 
     "method, k, adaptive",
     [
         ("draft_model", 3, None),
-        ("eagle3", 3, None),
         ("eagle3", 4, Alternating((0, 4), (1.0, 1.0), prior=0.6)),
     ],
-    ids=["draft_model", "eagle3", "eagle3 adaptive K"],
+    ids=["draft_model", "eagle3 adaptive K"],
 )
 def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, stories, story_job):
-    """A draft model (its own cache in the drafter state), an EAGLE-3 head (the target's features), and the head with
-    adaptive K (one round a step at the K chosen, here K = 0 and K = 4 in turn), prompts with token budgets of their
-    own: each slot's drafter state is replaced with its new prompt's, and each prompt's output is its output alone."""
+    """A draft model (its own cache in the drafter state) and an EAGLE-3 head (the target's features) with adaptive
+    K (one round a step at the K chosen, here K = 0 and K = 4 in turn: its K = 4 rounds draft as a fixed K), prompts
+    with token budgets of their own: each slot's drafter state is replaced with its new prompt's, and each prompt's
+    output is its output alone."""
     prompts, spec, tokens, lengths = story_job
     entry = registry.get(method)
     drafter, dparams = entry.build(stories, entry.settings(), k, None, Sampler())

@@ -78,6 +78,21 @@ def run_patched(monkeypatch, name: str, replacement, run):
         speculative_compiled.clear_cache()
 
 
+def once(fn):
+    """`fn` called the first time only; later calls (the same arguments' equals) get its first result."""
+    first = []
+    return lambda *args: first[0] if first else first.append(fn(*args)) or first[0]
+
+
+def compile_training_once(monkeypatch):
+    """The trainer's target load and train step built by its first run only: a test's later runs (resumed,
+    killed) reuse them, as they would build the same ones."""
+    from specjax.training import trainer
+
+    for name in ("load_target", "make_train_step"):
+        monkeypatch.setattr(trainer, name, once(getattr(trainer, name)))
+
+
 @functools.cache
 def cli():
     """run_decode.py as a module, loaded once per process (its flags are defined once): the one

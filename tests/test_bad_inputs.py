@@ -87,7 +87,7 @@ CASES = [
     case(
         "decode-unknown-flag", "run_decode", ["--bogus=1"], "Unknown command line flag 'bogus'", alone=True
     ),
-    case("decode-positional", "run_decode", ["Once upon"], "unexpected argument 'Once upon'", alone=True),
+    case("decode-positional", "run_decode", ["Once upon"], "unexpected argument 'Once upon'"),
     case("decode-flag-type", "run_decode", ["--max_new_tokens=abc"], "flag --max_new_tokens=abc"),
     case("decode-flag-enum", "run_decode", ["--dtype=int8"], "--dtype=int8", "float32"),
     case("decode-zero-tokens", "run_decode", ["--max_new_tokens=0"], "--max_new_tokens=0 must be >= 1"),
@@ -101,7 +101,6 @@ CASES = [
         "run_decode",
         ["--temperature=nan"],
         "--temperature=nan must be a finite",
-        alone=True,
     ),
     case(
         "decode-inf-temperature", "run_decode", ["--temperature=inf"], "--temperature=inf must be a finite"
@@ -115,7 +114,6 @@ CASES = [
         "run_decode",
         ["--prompts_file={bad}/empty.txt"],
         "holds no prompt",
-        alone=True,
     ),
     case("decode-blank-prompts-file", "run_decode", ["--prompts_file={bad}/blank.txt"], "holds no prompt"),
     case(
@@ -128,7 +126,7 @@ CASES = [
         ["--prompts_file={bad}/nothing.txt"],
         "(no such file or directory)",
     ),
-    case("decode-k-without-drafter", "run_decode", ["--k=3"], "--k needs a drafter", alone=True),
+    case("decode-k-without-drafter", "run_decode", ["--k=3"], "--k needs a drafter"),
     case("decode-tree-without-drafter", "run_decode", ["--tree=chain4"], "--tree needs a drafter"),
     case("decode-heads-without-drafter", "run_decode", ["--heads=x"], "--heads needs a drafter"),
     case("decode-unknown-drafter", "run_decode", ["--drafter=bogus"], "unknown drafter 'bogus'"),
@@ -224,7 +222,6 @@ CASES = [
         "train_heads",
         ["--config=configs/eagle.py:bogus", "--workdir={bad}/work"],
         "unknown config variant 'bogus'",
-        alone=True,
         keep=("work",),
     ),
     case(
@@ -259,7 +256,6 @@ CASES = [
         "train_heads",
         ["--config=configs/medusa.py:smoke"],
         "--workdir must have a value",
-        alone=True,
     ),
     case("train-positional", "train_heads", [*TRAIN, "extra"], "unexpected argument 'extra'"),
     case(
@@ -392,7 +388,6 @@ CASES = [
         "convert",
         ["{bad}/hf_malformed", "{bad}/out1"],
         "is not valid JSON",
-        alone=True,
     ),
     case(
         "convert-wrong-tensor-shape",
@@ -419,7 +414,6 @@ CASES = [
         ["--drafter=ngram", "--alpha=nan"],
         "--alpha=nan must be in (0, 1)",
         status=2,
-        alone=True,
     ),
     case("verify-zero-alpha", "verify", ["--drafter=ngram", "--alpha=0"], "--alpha=0.0 must be", status=2),
     case(

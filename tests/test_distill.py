@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
+from helpers import compile_training_once
 from tolerance import approx, assert_close, assert_far, forward_depth, tolerance
 
 from specjax import checkpoint
@@ -168,8 +169,9 @@ def test_training_lowers_the_divergence_raises_heldout_alpha_and_leaves_the_targ
     jax.tree.map(np.testing.assert_array_equal, seen["before"], after)
 
 
-def test_kill_and_resume_equals_uninterrupted(trained_run, stories):
+def test_kill_and_resume_equals_uninterrupted(trained_run, stories, monkeypatch):
     config, root, _ = trained_run
+    compile_training_once(monkeypatch)
     trainer.train(config, root / "resumed", stop_at=6)
     trainer.train(config, root / "resumed")
     load = lambda run: distill.heads.load_heads(root / run, stories.cfg, stories.params)[2]

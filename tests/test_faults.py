@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import HEADS, STORIES
 from faults import Row, run_faults
+from helpers import compile_training_once
 
 from specjax import checkpoint, datastore, errors, heads, results
 
@@ -44,12 +45,6 @@ def check(row: Row) -> None:
     assert (
         row.kill_points >= min(20, row.steps) and row.corrupt_reads == 0 and row.changed_user_files == 0
     ), row
-
-
-def once(fn):
-    """`fn` called the first time only; later calls (the same arguments' equals) get its first result."""
-    first = []
-    return lambda *args: first[0] if first else first.append(fn(*args)) or first[0]
 
 
 def table_rows(scale):
@@ -244,8 +239,7 @@ def test_training_checkpoints(tmp_path, stories, monkeypatch):
     config.data.num_samples, config.train.batch_size = 8, 4
     # step 1 logged before any checkpoint, step 2 saved (every 2 steps), step 3 logged before the final save
     config.train.steps, config.train.checkpoint_every, config.train.log_every = 3, 2, 1
-    for name in ("load_target", "make_train_step"):
-        monkeypatch.setattr(trainer, name, once(getattr(trainer, name)))
+    compile_training_once(monkeypatch)
 
     def read(folder):
         """The latest checkpoint's parameters, and the (step, loss) lines of metrics.jsonl (a tail without its

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from children import child_env, cpu_env
-from helpers import run_processes
+from helpers import compile_training_once, run_processes
 from tolerance import LAYER_DEPTH, assert_close, assert_far, forward_depth
 
 from specjax import checkpoint, files, heads
@@ -90,7 +90,10 @@ def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_resume_equals_uninterrupted_and_ignores_half_written(target_dir, corpus, tmp_path, stories):
+def test_resume_equals_uninterrupted_and_ignores_half_written(
+    target_dir, corpus, tmp_path, stories, monkeypatch
+):
+    compile_training_once(monkeypatch)
     config = smoke_config("eagle", target_dir, corpus)
     config.train.steps, config.train.checkpoint_every = 12, 4
     trainer.train(config, tmp_path / "straight")
@@ -244,37 +247,14 @@ def test_data_sources_and_order(tmp_path, stories):
 
 
 def test_clear_errors(target_dir, tmp_path, stories):
+    """The library's errors; through the commands: test_bad_inputs (config keys) and test_pair (foreign heads)."""
     config = smoke_config("medusa", tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="target checkpoint .*nowhere not found .*specjax.convert"):
         trainer.train(config, tmp_path / "run")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train_heads.py",
-            "--config=configs/medusa.py:smoke",
-            f"--workdir={tmp_path / 'run'}",
-            "--config.optimizer.lrr=1",
-        ],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode != 0 and "lrr" in out.stderr, out.stderr[-2000:]
     meta = heads.describe("medusa", {"num_heads": 2, "num_layers": 1}, stories.cfg.replace(vocab_size=1000))
     heads.write_meta(tmp_path / "foreign", meta)
     with pytest.raises(ValueError, match="trained for another target.*vocab_size.*1000, 512"):
         heads.load_heads(tmp_path / "foreign", stories.cfg, stories.params)
-    out = subprocess.run(
-        [sys.executable, "run_decode.py", "--drafter=medusa", f"--heads={tmp_path / 'foreign'}"],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode != 0 and "trained for another target" in out.stderr, out.stderr[-2000:]
     with pytest.raises(CheckpointError, match="heads.json is missing or corrupt"):
         heads.load_heads(tmp_path / "empty", stories.cfg, stories.params)
     damaged = tmp_path / "damaged"

@@ -36,7 +36,7 @@ def all_logits(cfg, graphdef, params, tokens):
 
 def test_expansion_shape_and_defaults(stories, expanded):
     cfg = expanded[0]
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (128, 8, 16, 8, 16)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (128, 7, 16, 8, 16)
     assert cfg.norm_eps == approx(stories.cfg.norm_eps * stories.cfg.dim / 128, dtype=np.float64, depth=2)
     big = expand.Expansion().config(stories.cfg)  # the benchmark's default: memory-bound, 32 layers
     assert expand.weight_bytes(big) >= 8 * 32 * 2**20  # >= 8x the 32 MiB L3 it was chosen for

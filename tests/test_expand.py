@@ -78,16 +78,6 @@ def test_truncated_original_is_stories260k_truncated(stories, expanded):
         expand.truncated_original(*expanded[::2], E, stories.cfg.n_layers, stories.cfg.n_layers)
 
 
-def test_greedy_decoding_equal(stories, expanded):
-    from specjax.decoding import GenerateSpec, generate
-
-    prompts = [stories.tokenizer.encode(p) for p in PROMPTS]
-    spec = GenerateSpec(24, eos_id=None)
-    ref = generate(stories.cfg, stories.graphdef, stories.params, prompts, spec)
-    out = generate(*expanded, prompts, spec)
-    np.testing.assert_array_equal(out.tokens, ref.tokens)
-
-
 def test_expanded_heads_give_the_same_drafts(stories, expanded, trained_heads):
     from specjax.drafters.eagle import eagle_apply
     from specjax.drafters.medusa import medusa_logits

@@ -17,7 +17,8 @@ import torch
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import SHAPES, random_hf_model, read_bandwidth_gbs
+from experiments.common import SHAPES, random_hf_model
+from experiments.costs import read_bandwidth_gbs
 from experiments.harness import interleaved_medians, write_table
 from specjax import cli
 from specjax.decoding import compile_decode

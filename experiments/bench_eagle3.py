@@ -14,12 +14,10 @@ from pathlib import Path
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import decode_seconds
 from experiments.harness import HEAD_PROMPTS as PROMPTS
 from experiments.harness import write_table
 from specjax import cli, heads
 from specjax.drafting.trees import parse_tree
-from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 
@@ -51,31 +49,28 @@ def vocabulary(meta: dict, vocab_size: int) -> int:
     return vocab_size if ids is None else len(ids)
 
 
-def rows_for(target, label, workdir, prompts, samplers, ar_seconds, trees):
-    """One row per (draft shape in `trees`, temperature) for the head in `workdir`."""
-    cfg = target.cfg
-    meta, graphdef, hparams = heads.load_heads(workdir, cfg, target.params)
-    dparams = heads.drafter_params(meta, hparams, cfg, target.params)
+def rows_for(target, label, workdir, prompts, samplers, trees):
+    """One row per (temperature, draft shape in `trees`) for the head in `workdir`, each timed in turns with AR."""
+    meta, graphdef, hparams = heads.load_heads(workdir, target.cfg, target.params)
+    dparams = heads.drafter_params(meta, hparams, target.cfg, target.params)
+    build = lambda k, tree: (
+        lambda t, sampler: (heads.make_drafter(meta, graphdef, t.cfg, k, sampler, tree), dparams)
+    )
+    shapes = [harness.Row(text, build=build(*shape_of(text))) for text in trees]
     rows = []
-    for text in trees:
-        k, tree = shape_of(text)
-        for sampler in samplers:
-            drafter = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)
-            spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
-            seconds, stats = decode_seconds(
-                cfg, target.graphdef, target.params, prompts, spec, FLAGS.repeats, drafter, dparams
-            )
-            m = pooled(stats)  # all prompts together
+    for sampler in samplers:
+        spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
+        for m in harness.decode_rows(target, prompts, spec, shapes, FLAGS.repeats):
+            alphas = {f"alpha_{i + 1}": a for i, a in enumerate(m.metrics["alpha"])}  # all prompts together
             rows.append(
                 dict(
                     head=label(meta),
-                    draft=text,
+                    draft=m.row.method,
                     T=sampler.temperature,
-                    tau=m["tau"],
-                    **{f"alpha_{i + 1}": a for i, a in enumerate(m["alpha"])},
-                    tok_s=len(prompts) * FLAGS.new_tokens / seconds,
-                    speedup=ar_seconds[sampler.temperature] / seconds,
+                    tau=m.metrics["tau"],
+                    **alphas,
                 )
+                | dict(tok_s=len(prompts) * FLAGS.new_tokens / m.seconds, speedup=m.speedup)
             )
             print(rows[-1], flush=True)
     return rows
@@ -85,34 +80,24 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     target = load_model()
-    cfg = target.cfg
     prompts = [target.tokenizer.encode(p) for p in PROMPTS[: FLAGS.prompts]]
     samplers = [Sampler(float(t)) for t in FLAGS.temperatures]
-    ar_seconds = {
-        s.temperature: decode_seconds(
-            cfg,
-            target.graphdef,
-            target.params,
-            prompts,
-            harness.generate_spec(FLAGS.new_tokens, s, eos_id=None),
-            FLAGS.repeats,
-        )[0]
-        for s in samplers
-    }
-    n = FLAGS.new_tokens
     what = (
-        f"stories260K, batch 1, {len(prompts)} prompts x {n} new tokens, float32, CPU, medians of "
-        f"{FLAGS.repeats}; speedup over AR in the same run"
+        f"stories260K, batch 1, {len(prompts)} prompts x {FLAGS.new_tokens} new tokens, float32, CPU, medians of "
+        f"{FLAGS.repeats}; speedup over AR timed in turns with each row"
     )
     method = lambda meta: "EAGLE-3" if meta["method"] == "eagle3" else "EAGLE-2"
     rows = []
     for workdir in (FLAGS.eagle, FLAGS.eagle3):
-        rows += rows_for(target, method, workdir, prompts, samplers, ar_seconds, FLAGS.trees)
+        rows += rows_for(target, method, workdir, prompts, samplers, FLAGS.trees)
     print(write_table("bench_eagle3", rows, f"EAGLE-2 vs EAGLE-3 heads: {what}"))
     if FLAGS.vocab_heads:
-        label = lambda meta: f"EAGLE-3, draft vocabulary {vocabulary(meta, cfg.vocab_size)}"
-        args = (prompts, samplers, ar_seconds, FLAGS.trees[:1])
-        rows = [r for w in FLAGS.vocab_heads for r in rows_for(target, label, w, *args)]
+        label = lambda meta: f"EAGLE-3, draft vocabulary {vocabulary(meta, target.cfg.vocab_size)}"
+        rows = [
+            r
+            for w in FLAGS.vocab_heads
+            for r in rows_for(target, label, w, prompts, samplers, FLAGS.trees[:1])
+        ]
         print(
             write_table(
                 "bench_eagle3_vocab", rows, f"EAGLE-3 draft vocabularies, same training tokens: {what}"

@@ -43,21 +43,13 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from experiments import common, harness
+from experiments import common, costs, harness
 from specjax import cli, expand, heads
-from specjax.analysis import (
-    batch_speedup,
-    expected_batch_rounds,
-    expected_tokens_per_round,
-    tokens_per_round,
-)
+from specjax.analysis import batch_speedup, expected_batch_rounds, expected_tokens_per_round
 from specjax.drafting.trees import DynamicTree, medusa_like
-from specjax.models.llama import causal_mask, forward, in_out_layout, init_cache
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 
@@ -141,144 +133,7 @@ SMOKE = Settings(
 )
 
 
-# --- timing ----------------------------------------------------------------------------------------------
-
-
-def pass_loop(step, params, cache, b: int, t: int, calls: int):
-    """A function running `calls` chained passes of `step(params, tokens_BT, positions_BT, cache, mask) ->
-    (logits, cache)` over t new tokens per row (each pass's input depends on the last one's logits through their
-    max: no argmax or sampling is timed). The cache is made inside the loop's jit (no copy of a non-donated
-    buffer is timed) with `cache.length` committed slots; the passes write after them without committing."""
-    length = cache.length
-
-    @jax.jit
-    def loop(params):
-        c = jax.tree.map(jnp.zeros_like, cache).with_length(length)
-
-        def body(_, carry):
-            tokens, c = carry
-            positions = c.length[:, None] + jnp.arange(t)[None] + (tokens > 10**9)
-            logits, c = step(params, tokens, positions, c, causal_mask(t))
-            return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), c
-
-        return jax.lax.fori_loop(0, calls, body, (jnp.ones((b, t), jnp.int32), c))[0]
-
-    with harness.matmul_scope(params):
-        compiled = loop.lower(params).compile()
-    return lambda: jax.block_until_ready(compiled(params))
-
-
-def as_decoded(rows: int, plain, in_out):
-    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: on one CPU, linear
-    layers stored [out, in] for one row, [in, out] (`in_out`) for several; elsewhere always [out, in]."""
-    return plain if rows == 1 or jax.default_backend() != "cpu" else in_out
-
-
-def on_cpu_in_out(graphdef, params):
-    """The [in, out] copy of the target `as_decoded` uses on one CPU (None elsewhere: no second copy)."""
-    return in_out_layout(graphdef, params) if jax.default_backend() == "cpu" else None
-
-
-def model_step(graphdef):
-    return lambda params, tokens, positions, cache, mask: forward(
-        graphdef, params, tokens, positions, cache, mask
-    )[::2]
-
-
-def head_step(drafter, dim: int):
-    """One call of an EAGLE or EAGLE-3 head on its own features: a drafting step."""
-
-    def step(params, tokens, positions, cache, mask):
-        feats = jnp.zeros(tokens.shape + (dim,), jnp.float32)
-        logits, _, cache = drafter.apply(params, tokens, feats, positions, cache, mask)
-        return logits, cache
-
-    return step
-
-
-def dflash_step(drafter):
-    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each)."""
-    from specjax.drafters.dflash import dflash_block, dflash_extend
-
-    def step(params, tokens, positions, cache, mask):
-        taps = jnp.zeros((*tokens.shape, drafter.taps_width), jnp.float32) + tokens[..., None]
-        cache = dflash_extend(drafter.graphdef, params, taps, positions, cache)
-        return dflash_block(drafter.graphdef, params, tokens, positions, cache)[0], cache
-
-    return step
-
-
-def medusa_loop(graphdef, params, b: int, dim: int, calls: int):
-    from specjax.drafters.medusa import medusa_logits
-
-    @jax.jit
-    def loop(params):
-        def body(_, f):
-            return f + (jnp.max(medusa_logits(graphdef, params, f)) > 1e30)
-
-        return jax.lax.fori_loop(0, calls, body, jnp.ones((b, dim), jnp.float32))
-
-    with harness.matmul_scope(params):
-        compiled = loop.lower(params).compile()
-    return lambda: jax.block_until_ready(compiled(params))
-
-
-def interleaved(fns: dict, repeats: int) -> dict:
-    """{name: [seconds per repetition]}: the functions in turn, no settling call (`harness.interleaved_times`)."""
-    return harness.interleaved_times(fns, repeats, settle=False)
-
-
-def bandwidth_fns(mbytes: int) -> tuple[int, dict]:
-    """(bytes, {reader: timed function}): two ways to read `mbytes` MB of float32, a sum and a matrix-vector
-    product over a [rows, 4096] matrix. On the 2-core host neither is always the faster (the sum read 41-46
-    GB/s and the product 46-51 in one hour, 70-74 and 61-67 in another), so the floor takes the faster."""
-    x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
-    w, v = x.reshape(-1, 4096), jnp.ones((4096,), jnp.float32)
-    total, product = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-    return x.nbytes, {
-        "sum": lambda: total(x).block_until_ready(),
-        "matvec": lambda: product(w, v).block_until_ready(),
-    }
-
-
-def matmul_fn():
-    a = jnp.ones((512, 2048), jnp.float32)
-    w = jnp.ones((2048, 2048), jnp.float32)
-    mm = jax.jit(lambda a, w: jnp.sum(a @ w))
-    return 2 * a.shape[0] * a.shape[1] * w.shape[1], lambda: mm(a, w).block_until_ready()
-
-
-def interp_cost(curve: dict, t: int) -> float:
-    """Cost of a pass over t tokens from the measured curve {T: seconds}, log-linear between its points and
-    proportional to t beyond the last (a pass over that many tokens is compute-bound)."""
-    ts = sorted(curve)
-    if t > ts[-1]:
-        return curve[ts[-1]] * t / ts[-1]
-    return float(np.interp(np.log2(t), np.log2(ts), [curve[x] for x in ts]))
-
-
-CURVE_CACHE = 192  # slots of the cache the curve's passes see, half of them committed
-
-
-def half_cache(cfg, b: int):
-    return init_cache(cfg, b, CURVE_CACHE).with_length(jnp.full((b,), CURVE_CACHE // 2))
-
-
-def eagle_step(loaded, method: str, target, b: int, calls: int):
-    """The timed loop of one head call (`head_step`) of the expanded `method` head at batch b."""
-    cfg, _, params = target
-    meta, hgraph, hparams = loaded[method]["big"]
-    return pass_loop(
-        head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim),
-        heads.drafter_params(meta, hparams, cfg, params),
-        half_cache(cfg.replace(n_layers=1), b),
-        b,
-        1,
-        calls,
-    )
-
-
-# --- the decoding API (kept in these functions) -----------------------------------------------------------
+# --- the parts: the target, its expansion and the drafters' --------------------------------------------------
 
 
 def load(settings: Settings):
@@ -332,15 +187,6 @@ def make_drafter(method: str, target, draft, loaded, k: int, tree, sampler, whic
     return drafter, heads.drafter_params(meta, hparams, cfg, params)
 
 
-def compile_job(target, prompts, spec_kw: dict, drafter=None, dparams=None, bucket: int = 32):
-    from specjax.decoding import compile_decode
-
-    cfg, graphdef, params = target
-    spec = harness.generate_spec(eos_id=None, **spec_kw)
-    run, _ = compile_decode(cfg, graphdef, params, prompts, spec, drafter, dparams, bucket=bucket)
-    return run
-
-
 def pilot_taus(settings: Settings, small, loaded) -> dict:
     """EAGLE's tau on stories260K itself (greedy, batch 1) for each candidate chain K and dynamic tree."""
     from specjax.decoding import speculative_generate
@@ -364,49 +210,63 @@ def pilot_taus(settings: Settings, small, loaded) -> dict:
 # --- the benchmark ---------------------------------------------------------------------------------------
 
 
-def measure_curve(settings: Settings, small, target, draft_model, loaded):
-    """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call})."""
-    cfg, graphdef, params = target
-    size, half = CURVE_CACHE, half_cache
-    in_out = on_cpu_in_out(graphdef, params)
-    fns = {}
-    nbytes, readers = bandwidth_fns(settings.bandwidth_mb)
-    fns |= {f"read {name}": fn for name, fn in readers.items()}
-    flop, fns["matmul"] = matmul_fn()
-    for b in settings.batches:
-        for t in settings.curve:
-            g, p = as_decoded(b * t, (graphdef, params), in_out)
-            fns[("expanded", b, t)] = pass_loop(model_step(g), p, half(cfg, b), b, t, settings.calls)
-        drafts = {"draft model": draft_model, "distilled draft": loaded.get("distilled draft")}
-        for kind in (kind for kind in drafts if kind in settings.kinds):
-            dcfg, dgraph, dparams = drafts[kind]
-            fns[(kind, b)] = pass_loop(model_step(dgraph), dparams, half(dcfg, b), b, 1, settings.calls)
-        if "quantized" in settings.kinds:
-            qgraph, qparams = loaded["quantized"]
-            fns[("quantized", b)] = pass_loop(
-                model_step(qgraph), qparams, half(cfg, b), b, 1, settings.calls
+def head_call(loaded, method: str, target, b: int, calls: int):
+    """The timed loop of one call of the expanded `method` head (EAGLE or EAGLE-3) at batch b."""
+    cfg, _, params = target
+    meta, hgraph, hparams = loaded[method]["big"]
+    head = costs.head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim)
+    dparams = heads.drafter_params(meta, hparams, cfg, params)
+    return costs.pass_loop(head, dparams, costs.half_cache(cfg.replace(n_layers=1), b), b, 1, calls)
+
+
+def drafter_calls(settings: Settings, target, draft_model, loaded, b: int) -> dict:
+    """{(method, b): timed loop of one drafter call at batch b} (DFlash: {(("dflash", B), b): one block of B}):
+    the draft cost c of each row `settings.kinds` has (EAGLE's for the pilot, EAGLE-3's for the sweeps always)."""
+    cfg, _, params = target
+    calls, fns = settings.calls, {}
+    models = {"draft model": draft_model, "distilled draft": loaded.get("distilled draft")}
+    if "quantized" in settings.kinds:
+        models["quantized"] = (cfg, *loaded["quantized"])
+    for kind, model in models.items():
+        if kind in settings.kinds:
+            fns[(kind, b)] = costs.target_pass(*model, b, 1, calls)
+    for method in ("eagle", "eagle3"):
+        fns[(method, b)] = head_call(loaded, method, target, b, calls)
+    if "dflash" in loaded:  # one call drafts a block: its cost per block size
+        meta, hgraph, hparams = loaded["dflash"]["big"]
+        dparams = heads.drafter_params(meta, hparams, cfg, params)
+        for size in settings.dflash_blocks:
+            drafter = heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler())
+            cache = costs.half_cache(drafter.draft_cfg, b)
+            fns[(("dflash", size), b)] = costs.pass_loop(
+                costs.dflash_step(drafter), dparams, cache, b, size, calls
             )
-        for method in ("eagle", "eagle3"):  # EAGLE's cost is needed for the pilot, EAGLE-3's for the sweeps
-            fns[(method, b)] = eagle_step(loaded, method, target, b, settings.calls)
-        if "dflash" in loaded:  # one call drafts a block: its cost per block size
-            meta, hgraph, hparams = loaded["dflash"]["big"]
-            for size in settings.dflash_blocks:
-                drafter = heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler())
-                dparams = heads.drafter_params(meta, hparams, cfg, params)
-                cache = half_cache(drafter.draft_cfg, b)
-                fns[(("dflash", size), b)] = pass_loop(
-                    dflash_step(drafter), dparams, cache, b, size, settings.calls
+    if any(kind.startswith("medusa") for kind in settings.kinds):
+        _, mgraph, mparams = loaded["medusa"]["big"]
+        fns[("medusa", b)] = costs.medusa_loop(mgraph, mparams, b, cfg.dim, calls)
+    return fns
+
+
+def measure_curve(settings: Settings, small, target, draft_model, loaded):
+    """(machine row, curve rows, {batch: {T: seconds}}, draft costs {(method, batch): seconds per call}, read
+    bandwidth): the machine, the target passes of the curve and the drafter calls, timed in turns."""
+    cfg, graphdef, params = target
+    targets = {"expanded": (cfg, graphdef, params, settings.batches)}
+    targets["stories260K"] = (small.cfg, small.graphdef, small.params, (1,))
+    fns = {}
+    nbytes, readers = costs.bandwidth_fns(settings.bandwidth_mb)
+    fns |= {f"read {name}": fn for name, fn in readers.items()}
+    flop, fns["matmul"] = costs.matmul_fn()
+    for name, (c, g, p, batches) in targets.items():
+        in_out = costs.on_cpu_in_out(g, p)
+        for b in batches:
+            for t in settings.curve:
+                fns[(name, b, t)] = costs.target_pass(
+                    c, *costs.as_decoded(b * t, (g, p), in_out), b, t, settings.calls
                 )
-        if any(kind.startswith("medusa") for kind in settings.kinds):
-            _, mgraph, mparams = loaded["medusa"]["big"]
-            fns[("medusa", b)] = medusa_loop(mgraph, mparams, b, cfg.dim, settings.calls)
-    small_in_out = on_cpu_in_out(small.graphdef, small.params)
-    for t in settings.curve:
-        g, p = as_decoded(t, (small.graphdef, small.params), small_in_out)
-        fns[("stories260K", 1, t)] = pass_loop(model_step(g), p, half(small.cfg, 1), 1, t, settings.calls)
-    # The fastest of the repetitions: a pass's cost is a property of the program, and other work on a shared
-    # machine only adds to it (medians moved by 2x between runs while the machine was busy; minima held).
-    times = {k: min(v) for k, v in interleaved(fns, max(settings.repeats, 5)).items()}
+            if name == "expanded":
+                fns |= drafter_calls(settings, target, draft_model, loaded, b)
+    times = costs.fastest(fns, max(settings.repeats, 5))
     reads = {name: nbytes / times[f"read {name}"] for name in readers}
     bw, flops = max(reads.values()), flop / times["matmul"]
     machine = dict(
@@ -420,28 +280,23 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
         target_dim=cfg.dim,
     )
     rows, curves = [], {}
-    for name, c in (("expanded", cfg), ("stories260K", small.cfg)):
-        for b in settings.batches if name == "expanded" else (1,):
+    for name, (c, _, _, batches) in targets.items():
+        for b in batches:
             curves.setdefault(name, {})[b] = {}
             for t in settings.curve:
                 s = times[(name, b, t)] / settings.calls
                 curves[name][b][t] = s
-                read = expand.weight_bytes(c) + b * (size // 2 + t) * expand.kv_bytes_per_position(c)
+                read = expand.weight_bytes(c) + b * (
+                    costs.CURVE_CACHE // 2 + t
+                ) * expand.kv_bytes_per_position(c)
                 floor, roof = read / bw, 2 * c.num_params * b * t / flops
                 rows.append(
-                    dict(
-                        target=name,
-                        batch=b,
-                        T=t,
-                        ms=s * 1e3,
-                        per_T1=s / (times[(name, b, 1)] / settings.calls),
-                        floor_ms=floor * 1e3,
-                        roof_ms=roof * 1e3,
-                        bound_over_ms=max(floor, roof) / s,
-                    )
+                    dict(target=name, batch=b, T=t, ms=s * 1e3)
+                    | dict(per_T1=s / (times[(name, b, 1)] / settings.calls), floor_ms=floor * 1e3)
+                    | dict(roof_ms=roof * 1e3, bound_over_ms=max(floor, roof) / s)
                 )
-    costs = {key: times[key] / settings.calls for key in fns if len(key) == 2 and isinstance(key, tuple)}
-    return machine, rows, curves["expanded"], costs, bw
+    calls = {key: times[key] / settings.calls for key in fns if len(key) == 2 and isinstance(key, tuple)}
+    return machine, rows, curves["expanded"], calls, bw
 
 
 def choose_shapes(settings: Settings, taus: dict, curve1: dict, c_eagle: float):
@@ -451,7 +306,7 @@ def choose_shapes(settings: Settings, taus: dict, curve1: dict, c_eagle: float):
     rows = []
     for (k, tree), tau in taus.items():
         nodes = k if tree is None else tree.total_tokens
-        v = interp_cost(curve1, nodes + 1) / one
+        v = costs.interp_cost(curve1, nodes + 1) / one
         rows.append(
             dict(
                 shape=f"chain K={k}"
@@ -522,7 +377,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
     out = harness.Writer(Path(results) if results else harness.RESULTS)
     small, target, draft_model, loaded = load(settings)
     cfg = target[0]
-    machine, curve_rows, curves, costs, bw = measure_curve(settings, small, target, draft_model, loaded)
+    machine, curve_rows, curves, calls, bw = measure_curve(settings, small, target, draft_model, loaded)
     out.table(f"{settings.name}_machine", [machine], "Machine, measured in this run")
     out.table(
         f"{settings.name}_curve",
@@ -532,7 +387,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
         f"bandwidth floor and the compute roof ({machine['read_GBs']:.1f} GB/s, "
         f"{machine['matmul_GFLOPs']:.0f} GFLOP/s); bound_over_ms = max(floor, roof) / ms",
     )
-    c_eagle = costs[("eagle", 1)] / curves[1][1]
+    c_eagle = calls[("eagle", 1)] / curves[1][1]
     taus = pilot_taus(settings, small, loaded)
     pilot, chain_k, dynamic = choose_shapes(settings, taus, curves[1], c_eagle)
     out.table(
@@ -543,7 +398,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
     )
     n_medusa = loaded["medusa"]["big"][0]["shape"]["num_heads"]
     rows = decode_rows(
-        settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
+        settings, small, target, draft_model, loaded, curves, calls, bw, chain_k, dynamic, n_medusa
     )
     title = (
         f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB "
@@ -554,7 +409,7 @@ def run(settings: Settings, results: str | None = None) -> dict:
     out.table(f"{settings.name}_decode", rows, title)
     if not settings.sweeps:
         return dict(machine=[machine], curve=curve_rows, pilot=pilot, decode=rows)
-    ks = k_sweep(settings, small, target, loaded, curves, costs)
+    ks = k_sweep(settings, small, target, loaded, curves, calls)
     title = (
         f"EAGLE-3's chain against K on the expanded target (greedy, batch 1, {settings.prompts} prompts x "
         f"{settings.new_tokens} tokens, medians of {settings.repeats}): predicted = E(a, K) / (K c + v(K + 1)); "
@@ -596,47 +451,11 @@ def jobs(settings: Settings) -> list[tuple]:
     return out
 
 
-def prompt_width(groups) -> int:
-    """The width every job of `groups` pads its prompts to (one compiled program per method)."""
-    return 32 * -(-max(len(p) for g in groups for p in g) // 32)
-
-
-def decoding_speedup(ar: list[float], spec: list[float], prefill_s: float) -> float:
-    """Median over repetitions of AR's time / the speculative run's time, both less `prefill_s` (the jobs'
-    prefill passes, the same for both): the decoding phase, which speculation speeds up and the per-round
-    prediction describes. The end-to-end ratio is diluted towards 1 by the shared prefill."""
-    return harness.ratio(ar, spec, prefill_s)
-
-
-def timed_runs(target, groups, kw: dict, drafters: dict, repeats: int):
-    """({name: seconds per repetition}, {name: the last repetition's outputs per group}): AR and each
-    {name: (drafter, params)} (or (drafter, params, its own GenerateSpec keywords)) compiled for the groups' padded
-    width, then run in turns."""
-    bucket = prompt_width(groups)
-    runs = {"AR": compile_job(target, groups[0], kw, bucket=bucket)}
-    for name, (drafter, dp, *own) in drafters.items():
-        runs[name] = compile_job(
-            target, groups[0], kw | (own[0] if own else {}), drafter, dp, bucket=bucket
-        )
-    outputs = {}
-
-    def job(name, run):
-        def go():
-            outputs[name] = [jax.block_until_ready(run(g, seed=i)) for i, g in enumerate(groups)]
-
-        return go
-
-    times = interleaved({name: job(name, r) for name, r in runs.items()}, repeats)
-    # XLA CPU keeps every compiled program mapped until JAX's caches let go: a run of several dozen decode
-    # programs exhausted the process's memory maps (vm.max_map_count) and crashed in LLVM
-    del runs
-    jax.clear_caches()
-    return times, outputs
-
-
 def decode_rows(
-    settings, small, target, draft_model, loaded, curves, costs, bw, chain_k, dynamic, n_medusa
+    settings, small, target, draft_model, loaded, curves, calls, bw, chain_k, dynamic, n_medusa
 ):
+    """The decode table: for each job (`jobs`), AR and the rows of `methods` timed in turns; tau, a, c, v, the
+    speedups and the prediction (`costs.predicted_speedup`)."""
     from specjax.metrics import loop_efficiency, pooled
 
     cfg = target[0]
@@ -654,9 +473,11 @@ def decode_rows(
             )
         }
         kw = dict(max_new_tokens=new_tokens, sampler=sampler)
-        times, outputs = timed_runs(target, groups, kw, drafters, settings.repeats)
+        times, outputs = costs.timed_groups(target, groups, kw, drafters, settings.repeats)
         ar = times["AR"]
-        prefill_s = len(groups) * interp_cost(curves[b], prompt_width(groups))  # one prefill pass a job
+        prefill_s = len(groups) * costs.interp_cost(
+            curves[b], costs.prompt_width(groups)
+        )  # a prefill a group
         ar_step = (statistics.median(ar) - prefill_s) / (len(groups) * (new_tokens - 1))  # after prefill
         slots = np.mean([len(p) for p in prompts]) + new_tokens / 2  # committed, averaged over the steps
         read = expand.weight_bytes(cfg) + b * slots * expand.kv_bytes_per_position(cfg)
@@ -669,31 +490,19 @@ def decode_rows(
             | dict(loop_eff=one / ar_step)
         )
         for (method, desc), (drafter, _) in drafters.items():
-            m = pooled([g.stats for g in outputs[(method, desc)]])
+            generations = outputs[(method, desc)]
+            m = pooled([g.stats for g in generations])
             verified = drafter.shape.size - 1
             if getattr(drafter, "verify_lengths", ()):  # confidence-sized: the mean verified length
-                hist = sum(np.asarray(g.stats.k_hist) for g in outputs[(method, desc)])
+                hist = sum(np.asarray(g.stats.k_hist) for g in generations)
                 verified = float(np.dot(np.arange(len(hist)), hist) / hist.sum())
-            v = interp_cost(curves[b], verified + 1) / one
-            dflash = method.startswith("dflash")
-            key = (("dflash", block_measured(costs, b, drafter.shape.depth + 1)), b) if dflash else None
-            c = 0.0 if method in ("n-gram", "retrieval", "lookahead") else costs[key or (method, b)] / one
-            calls = (
-                1
-                if dflash
-                else {"medusa": 1, "n-gram": 0, "retrieval": 0, "lookahead": 0}.get(
-                    method, drafter.shape.depth
-                )
-            )
-            # each group of b rows runs until its slowest row has its tokens: rounds from each row's acceptance
-            generations = outputs[(method, desc)]
-            rounds = sum(
-                expected_batch_rounds(row_distributions(g.stats), new_tokens - 1) for g in generations
-            )
-            predicted = len(generations) * (new_tokens - 1) / (rounds * (calls * c + v))
+            v = costs.interp_cost(curves[b], verified + 1) / one
+            n_calls, call_s = drafter_cost(method, drafter, calls, b)
+            c = call_s / one
+            predicted = costs.predicted_speedup(generations, new_tokens, n_calls * c + v)
             spec = times[(method, desc)]
             spec_s = statistics.median(spec)
-            decoding = decoding_speedup(ar, spec, prefill_s)
+            decoding = costs.decoding_speedup(ar, spec, prefill_s)
             round_s = (spec_s - prefill_s) / m["rounds"]
             rows.append(
                 base
@@ -701,40 +510,45 @@ def decode_rows(
                 | dict(tok_s=len(prompts) * new_tokens / spec_s)
                 | dict(speedup=harness.ratio(ar, spec), decode_speedup=decoding)
                 | dict(predicted=predicted, measured_over_predicted=decoding / predicted, of_floor=nan)
-                | dict(loop_eff=loop_efficiency(calls * c * one, v * one, round_s))
+                | dict(loop_eff=loop_efficiency(n_calls * c * one, v * one, round_s))
             )
             print(rows[-1], flush=True)
     return rows
 
 
-def row_distributions(stats) -> list[np.ndarray]:
-    """Each row's distribution of tokens per round in a run (`specjax.analysis.tokens_per_round`)."""
-    return [tokens_per_round(h) for h in np.asarray(stats.row_hist) if h.sum() > 0]
+def drafter_cost(method: str, drafter, calls: dict, b: int) -> tuple[int, float]:
+    """(drafter calls per round, seconds per call at batch b) of a decode row: none for the lookups, one for
+    Medusa's heads and a DFlash block, one per depth otherwise."""
+    if method in ("n-gram", "retrieval", "lookahead"):
+        return 0, 0.0
+    if method.startswith("dflash"):
+        return 1, calls[(("dflash", block_measured(calls, b, drafter.shape.depth + 1)), b)]
+    return (1 if method == "medusa" else drafter.shape.depth), calls[(method, b)]
 
 
-def block_measured(costs: dict, b: int, size: int) -> int:
+def block_measured(calls: dict, b: int, size: int) -> int:
     """The smallest DFlash block size >= `size` whose draft cost was measured at batch b (an upper bound)."""
     return min(
-        s for (kind, bb) in costs if bb == b and isinstance(kind, tuple) for s in [kind[1]] if s >= size
+        s for (kind, bb) in calls if bb == b and isinstance(kind, tuple) for s in [kind[1]] if s >= size
     )
 
 
-def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[dict]:
+def k_sweep(settings: Settings, small, target, loaded, curves, calls) -> list[dict]:
     """EAGLE-3's chain for each K in `settings.chain_ks` (greedy, batch 1, free continuation): tau, a, speedup,
     the prediction E(a, K) / (K c + v(K + 1)) with the measured costs, and Theorem 3.8's optimum: the K that
     maximises the prediction at the sweep's mean a."""
     from specjax.metrics import pooled
 
-    one, c = curves[1][1], costs[("eagle3", 1)] / curves[1][1]
-    cost = lambda k: k * c + interp_cost(curves[1], k + 1) / one
+    one, c = curves[1][1], calls[("eagle3", 1)] / curves[1][1]
+    cost = lambda k: k * c + costs.interp_cost(curves[1], k + 1) / one
     prompts = [[small.tokenizer.encode(p)] for p in PROMPTS[: settings.prompts]]
     drafters = {
         k: make_drafter("eagle3", target, None, loaded, k, None, Sampler()) for k in settings.chain_ks
     }
-    times, outputs = timed_runs(
+    times, outputs = costs.timed_groups(
         target, prompts, dict(max_new_tokens=settings.new_tokens), drafters, settings.repeats
     )
-    prefill_s = len(prompts) * interp_cost(curves[1], prompt_width(prompts))
+    prefill_s = len(prompts) * costs.interp_cost(curves[1], costs.prompt_width(prompts))
     rows = []
     for k in settings.chain_ks:
         m = pooled([g.stats for g in outputs[k]])
@@ -742,7 +556,7 @@ def k_sweep(settings: Settings, small, target, loaded, curves, costs) -> list[di
         rows.append(
             dict(K=k, tau=m["tau"], a=a, c=c, v=cost(k) - k * c)
             | dict(speedup=harness.ratio(times["AR"], times[k]))
-            | dict(decode_speedup=decoding_speedup(times["AR"], times[k], prefill_s))
+            | dict(decode_speedup=costs.decoding_speedup(times["AR"], times[k], prefill_s))
             | dict(predicted=expected_tokens_per_round(a, k) / cost(k))
         )
     mean_a = float(np.mean([r["a"] for r in rows]))
@@ -764,14 +578,14 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
 
     cfg, graphdef, params = target
     groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
-    width = prompt_width(list(groups.values()))
-    fns, in_out = {}, on_cpu_in_out(graphdef, params)
+    width = costs.prompt_width(list(groups.values()))
+    fns, in_out = {}, costs.on_cpu_in_out(graphdef, params)
     for b in settings.sweep_batches:
         for t in (1, chain_k + 1, width):
-            g, p = as_decoded(b * t, (graphdef, params), in_out)
-            fns[(b, t)] = pass_loop(model_step(g), p, half_cache(cfg, b), b, t, settings.calls)
-        fns[(b, "head")] = eagle_step(loaded, "eagle3", target, b, settings.calls)
-    cost = {key: min(v) for key, v in interleaved(fns, max(settings.repeats, 5)).items()}
+            g, p = costs.as_decoded(b * t, (graphdef, params), in_out)
+            fns[(b, t)] = costs.target_pass(cfg, g, p, b, t, settings.calls)
+        fns[(b, "head")] = head_call(loaded, "eagle3", target, b, settings.calls)
+    cost = costs.fastest(fns, max(settings.repeats, 5))
     rows, n = [], max(settings.new_tokens // 2, 1)
     for b in settings.sweep_batches:
         eagle3 = make_drafter("eagle3", target, None, loaded, chain_k, None, Sampler())
@@ -779,12 +593,14 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
             adaptive_k=AdaptiveK(tuple(sorted({k for k in (0, 1, 2, 4) if k < chain_k} | {chain_k})))
         )
         drafters = {"eagle3": eagle3, "policy": (*eagle3, policy)}
-        times, outputs = timed_runs(target, [groups[b]], dict(max_new_tokens=n), drafters, settings.repeats)
+        times, outputs = costs.timed_groups(
+            target, [groups[b]], dict(max_new_tokens=n), drafters, settings.repeats
+        )
         m = pooled([g.stats for g in outputs["eagle3"]])
         c, v = cost[(b, "head")] / cost[(b, 1)], cost[(b, chain_k + 1)] / cost[(b, 1)]
-        per_round = row_distributions(outputs["eagle3"][0].stats)
+        per_round = costs.row_distributions(outputs["eagle3"][0].stats)
         predicted = batch_speedup(per_round, n - 1, chain_k * c + v)
-        decode = decoding_speedup(times["AR"], times["eagle3"], cost[(b, width)] / settings.calls)
+        decode = costs.decoding_speedup(times["AR"], times["eagle3"], cost[(b, width)] / settings.calls)
         rows.append(
             dict(batch=b, K=chain_k, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
             | dict(rounds=m["rounds"], predicted_rounds=expected_batch_rounds(per_round, n - 1))

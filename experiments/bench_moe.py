@@ -12,7 +12,7 @@ experts" floor is what a step that read every expert would cost. Writes results/
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import read_bandwidth_gbs
+from experiments.costs import read_bandwidth_gbs
 from experiments.harness import interleaved_medians, write_table
 from specjax import cli
 from specjax.decoding import compile_decode

@@ -91,7 +91,7 @@ def main(argv):
                 "refill": refilled(target, prompts, spec, slots, drafter, dparams),
             }
             outputs = {name: go() for name, go in jobs.items()}  # warm-up, and the outputs compared
-            times = bench.interleaved(jobs, FLAGS.repeats)
+            times = harness.interleaved_times(jobs, FLAGS.repeats, settle=False)
             (tokens_a, lengths_a, _), (tokens_b, lengths_b, _) = outputs.values()
             same = bool(np.array_equal(lengths_a, lengths_b) and np.array_equal(tokens_a, tokens_b))
             for name, (_, lengths, rounds) in outputs.items():

@@ -18,11 +18,9 @@ from pathlib import Path
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import decode_seconds
 from experiments.harness import write_table
 from specjax import cli, heads
 from specjax.drafting.trees import parse_tree
-from specjax.metrics import pooled
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
 from specjax.training import chat, regenerate, trainer
@@ -124,8 +122,8 @@ def main(argv):
             sampler = Sampler(float(t))
             drafter = heads.make_drafter(meta, graphdef, target.cfg, tree.depth, sampler, tree)
             spec = harness.generate_spec(FLAGS.new_tokens, sampler, eos_id=None)
-            _, stats = decode_seconds(*model, prompts, spec, 1, drafter, dparams)
-            m = pooled(stats)
+            row = harness.Row(label, build=lambda *_: (drafter, dparams))
+            m = next(harness.decode_rows(target, prompts, spec, [row], repeats=0)).metrics
             alphas = {f"alpha_{i + 1}": a for i, a in enumerate(m["alpha"])}
             rows.append(dict(data=label, T=sampler.temperature, tau=m["tau"], **alphas))
             print(rows[-1], flush=True)

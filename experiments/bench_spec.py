@@ -29,7 +29,8 @@ import transformers
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import SHAPES, per_call_loop, random_hf_model
+from experiments.common import SHAPES, random_hf_model
+from experiments.costs import target_pass
 from experiments.harness import interleaved_times, median_time, write_table
 from specjax import cli
 from specjax.analysis import expected_speedup
@@ -172,13 +173,13 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                             "ar": lambda: jax.block_until_ready(ar_run([prompt])),
                             "spec": lambda: jax.block_until_ready(run([prompt])),
                             "fixed": lambda: jax.block_until_ready(fixed([prompt])),
-                            "step": per_call_loop(dcfg, dgraphdef, dparams, 1, size, CALLS),
-                            "reread": per_call_loop(dcfg, dgraphdef, dparams, 2, size, CALLS),
-                            "verify": per_call_loop(
-                                cfg, target.graphdef, target.params, k + 1, size, CALLS
+                            "step": target_pass(dcfg, dgraphdef, dparams, 1, 1, CALLS, size),
+                            "reread": target_pass(dcfg, dgraphdef, dparams, 1, 2, CALLS, size),
+                            "verify": target_pass(
+                                cfg, target.graphdef, target.params, 1, k + 1, CALLS, size
                             ),
-                            "target_step": per_call_loop(
-                                cfg, target.graphdef, target.params, 1, size, CALLS
+                            "target_step": target_pass(
+                                cfg, target.graphdef, target.params, 1, 1, CALLS, size
                             ),
                         },
                         FLAGS.repeats,

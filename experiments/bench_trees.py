@@ -9,7 +9,7 @@ side by side in one run. Writes results/bench_trees.{md,csv}.
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import per_call_seconds
+from experiments.costs import per_call_seconds
 from experiments.harness import write_table
 from specjax import cli
 from specjax.drafters.draft_model import DraftModel, truncated_target

@@ -17,7 +17,8 @@ Medusa: the committed heads in heads/). Per drafter, temperature and rule:
   (token-wise: sum_i prod_{j<=i} min(1, p/q); block: sum_i i h_i prod_{j>i} (1 - h_j); typical: deterministic),
   the mean of `--tree_draws` runs of the rule per draft for trees. Same drafts for every rule: no drafting noise
   in the comparison (and none from acceptance for chains),
-- tok_s: new tokens / summed median decode time (rules timed in turn per prompt), and AR's in its own row,
+- tok_s and speedup: new tokens / summed median decode time and the speedup over AR (each rule timed in turns with
+  AR per prompt, `harness.decode_rows`), and AR's tokens/s in its own row,
 - tv_first: the exact total-variation distance, averaged over the same contexts, between the distribution of a
   round's first emitted token and the target's (`TypicalLossy.first_token_law`; 0 for the lossless rules).
 AR's row (tokens/s) is measured once per temperature. A second table (`bench_adaptive`) compares adaptive K with
@@ -47,7 +48,7 @@ from specjax.decoding.prefill import prefill
 from specjax.decoding.speculative import calibrate
 from specjax.drafting import registry
 from specjax.drafting.trees import parse_tree
-from specjax.metrics import pooled, summarize
+from specjax.metrics import summarize
 from specjax.models.llama import forward
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -169,26 +170,11 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     k = FLAGS.k if tree is None else tree.depth
     entry = registry.get(name)
     drafter, dparams = entry.build(target, entry.settings(**SETTINGS.get(name, {})), k, tree, sampler)
-    bucket = -(-max(map(len, prompts)) // 8) * 8
-    runs = {}
-    for rule in rules:
-        spec = harness.generate_spec(n, sampler, eos_id=None, acceptance=rule)
-        runs[rule.name] = compile_decode(
-            cfg, graphdef, params, prompts[:1], spec, drafter, dparams, bucket
-        )[0]
-    if with_ar:
-        spec = harness.generate_spec(n, sampler, eos_id=None)
-        runs["ar"] = compile_decode(cfg, graphdef, params, prompts[:1], spec, bucket=bucket)[0]
-    seconds, stats, samples = dict.fromkeys(runs, 0.0), {r.name: [] for r in rules}, []
-    for i, p in enumerate(prompts):
-        fns = {name: (lambda r=run: jax.block_until_ready(r([p], i))) for name, run in runs.items()}
-        for rule_name, t in harness.interleaved_medians(fns, FLAGS.repeats).items():
-            seconds[rule_name] += t
-        for rule in rules:
-            gen = jax.block_until_ready(runs[rule.name]([p], i))
-            stats[rule.name].append(gen.stats)
-            if rule.name == "tokenwise":
-                samples.append(np.asarray(gen.tokens[0]).tolist())
+    spec = harness.generate_spec(n, sampler, eos_id=None)
+    build = lambda *_: (drafter, dparams)
+    rows = [harness.Row(rule.name, build=build, spec=dict(acceptance=rule)) for rule in rules]
+    decoded = {m.row.method: m for m in harness.decode_rows(target, prompts, spec, rows, FLAGS.repeats)}
+    samples = decoded["tokenwise"].tokens
     tokens, lengths = contexts_from(prompts, samples, FLAGS.contexts_every)
     cache_size = -(-(tokens.shape[1] + drafter.shape.cache_slots) // 64) * 64
     draft, logits = round_inputs(
@@ -196,7 +182,7 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
     )
     rows = []
     for rule in rules:
-        m = pooled(stats[rule.name])
+        m = decoded[rule.name].metrics
         accepted = expected_accepted(rule, sampler, draft, logits, jax.random.key(1))
         rows.append(
             dict(
@@ -207,15 +193,18 @@ def bench(target, prompts, name, temperature, rules, tree, with_ar: bool) -> lis
                 tau=m["tau"],
                 e_tau_same_drafts=1.0 + float(np.mean(accepted)),
                 draft_eff=m["draft_efficiency"],
-                tok_s=len(prompts) * n / seconds[rule.name],
+                tok_s=len(prompts) * n / decoded[rule.name].seconds,
+                speedup=decoded[rule.name].speedup,
                 tv_first=float(np.mean(first_token_tv(rule, sampler, draft, logits))),
                 contexts=int(tokens.shape[0]),
             )
         )
     if with_ar:
         ar = dict(drafter="none (AR)", shape="-", T=temperature, rule="-", tau=1.0, e_tau_same_drafts=1.0)
+        ar_s = decoded["tokenwise"].ar_seconds
         rows.append(
-            ar | dict(draft_eff=np.nan, tok_s=len(prompts) * n / seconds["ar"], tv_first=0.0, contexts=0)
+            ar
+            | dict(draft_eff=np.nan, tok_s=len(prompts) * n / ar_s, speedup=1.0, tv_first=0.0, contexts=0)
         )
     return rows
 

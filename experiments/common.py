@@ -1,17 +1,12 @@
-"""Model helpers shared by the benchmark scripts: random-weight models on disk, datastores, per-call timing loops
-(prompts, timing in turns and writing: `experiments.harness`)."""
+"""Model helpers shared by the benchmark scripts: random-weight models on disk, datastores, Medusa's accuracy, peer
+generation (prompts, timing in turns and writing: `experiments.harness`; timed passes: `experiments.costs`)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from experiments.harness import median_time
-from specjax.models.llama import causal_mask, forward, init_cache
 
 # What `--drafter=layer_skip --layers=auto` chose on stories260K (greedy tau 2.58 at K=4).
 LAYER_SKIP = "0-1,3-4"
@@ -104,75 +99,3 @@ def random_hf_model(shape: dict, path: Path, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
     model.save_pretrained(path)
     return model
-
-
-def decode_seconds(
-    cfg,
-    graphdef,
-    params,
-    prompts,
-    spec,
-    repeats: int,
-    drafter=None,
-    dparams=None,
-    bucket: int = 8,
-    tokens=None,
-):
-    """Summed median decode time over the prompts (batch 1 each, compiled once per prompt width padded to a
-    multiple of `bucket`), and each prompt's speculative statistics (None for AR); each prompt's new tokens
-    (seed 0) are appended to the list `tokens` where one is given."""
-    from specjax.decoding import compile_decode
-
-    total, stats, compiled = 0.0, [], {}
-    for p in prompts:
-        width = -(-len(p) // bucket)
-        if width not in compiled:
-            compiled[width] = compile_decode(cfg, graphdef, params, [p], spec, drafter, dparams, bucket)[0]
-        run = compiled[width]
-        first = jax.block_until_ready(run([p]))
-        stats.append(getattr(first, "stats", None))
-        if tokens is not None:
-            tokens.append(np.asarray(first.tokens[0]).tolist())
-        total += median_time(lambda: jax.block_until_ready(run([p])), repeats)
-    return total, stats
-
-
-def per_call_loop(cfg, graphdef, params, t: int, cache_size: int, calls: int = 32):
-    """A function that runs `calls` forwards of `t` tokens in one compiled loop, each call's input depending on
-    the previous call's logits (a true chain, as in decoding, through their max: no argmax or sampling cost
-    is counted); batch 1, cache of `cache_size`. The positions depend on the tokens, as in decoding, so that XLA
-    cannot hoist their work out of the loop. Time it and divide by `calls` for one model call."""
-
-    @jax.jit
-    def loop(params, cache):
-        def body(_, carry):
-            tokens, cache = carry
-            positions = cache.length[:, None] + jnp.arange(t)[None] + (tokens > 10**9)  # + 0
-            logits, _, cache = forward(graphdef, params, tokens, positions, cache, causal_mask(t))
-            return tokens + (jnp.max(logits, axis=-1) > 1e30).astype(jnp.int32), cache
-
-        return jax.lax.fori_loop(0, calls, body, (jnp.ones((1, t), jnp.int32), cache))[0]
-
-    cache = init_cache(cfg, 1, cache_size).with_length(jnp.array([cache_size // 2]))
-    return lambda: loop(params, cache).block_until_ready()
-
-
-def per_call_seconds(
-    cfg, graphdef, params, t: int, cache_size: int, repeats: int, calls: int = 32
-) -> float:
-    """Median time of one forward of `t` tokens (see `per_call_loop`)."""
-    return median_time(per_call_loop(cfg, graphdef, params, t, cache_size, calls), repeats) / calls
-
-
-def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth (GB/s): the faster of two compiled reads of a large float32 array, its sum and its
-    product with a vector (on an H200 the sum alone read 1.87 TB/s, where the decode step's own product kernels
-    read 4.1 TB/s)."""
-    x = jnp.ones((mbytes * 2**20 // 4 // 4096, 4096), jnp.float32)
-    v = jnp.ones((4096,), jnp.float32)
-    total, product = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-    fastest = min(
-        median_time(lambda: total(x).block_until_ready(), repeats),
-        median_time(lambda: product(x, v).block_until_ready(), repeats),
-    )
-    return x.nbytes / fastest / 1e9

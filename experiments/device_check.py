@@ -202,7 +202,8 @@ def ar_table(writer: harness.Writer, p: Plan) -> list[dict]:
     import torch
     import transformers
 
-    from experiments.common import random_hf_model, read_bandwidth_gbs
+    from experiments.common import random_hf_model
+    from experiments.costs import read_bandwidth_gbs
     from specjax.models.loading import load_model
 
     transformers.logging.set_verbosity_error()

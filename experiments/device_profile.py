@@ -8,7 +8,7 @@ Random-weight Llama shapes (`experiments.device_check.AR_SHAPES`), bfloat16, bat
 - {name}_step: ms/token (the whole compiled decode loop, a prompt of 9 tokens), the floor (weights + the committed
   KV cache read once per token, at the read bandwidth measured in the same run) and the fraction reached; the
   same with a 2048-slot cache (what reading the whole static cache costs); one target pass over T = 8 and 64
-  tokens relative to one token (`experiments.common.per_call_seconds`, a 512-slot cache half full).
+  tokens relative to one token (`experiments.costs.per_call_seconds`, a 512-slot cache half full).
 - {name}_kernels: the decode loop's device kernels from a `jax.profiler` trace, by kind, in microseconds per
   layer per token (kernel time summed; `launch gap` is the step's wall time not covered by kernels), against
   the layer's floor; and the 12 costliest kernels by name.
@@ -30,7 +30,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import per_call_seconds, read_bandwidth_gbs
+from experiments.costs import per_call_seconds, read_bandwidth_gbs
 from experiments.device_check import AR_SHAPES
 from specjax import cli
 from specjax.decoding.autoregressive import generate

@@ -17,7 +17,6 @@ import numpy as np
 
 from experiments import harness
 from specjax import metrics
-from specjax.drafting.trees import parse_tree
 from specjax.sampling import Sampler
 
 HEADS = Path(__file__).resolve().parents[1] / "heads"
@@ -31,35 +30,40 @@ RUNS = {
 }
 
 
-def methods(quick: bool) -> list[tuple]:
-    """(method, setting, registered drafter, its settings, K, tree spec or None): the rows whose heads exist."""
-    whole = {"confidence": False}  # verify the whole block
-    rows = [
-        ("dflash", "B=8, L=2", "dflash", whole, 7, None),
-        ("eagle3", "chain K=7", "eagle3", {}, 7, None),
-    ]
+def methods(quick: bool) -> list[harness.Row]:
+    """The table's rows (the optional heads' where this checkout has them)."""
+    reg, whole = harness.registered, {"confidence": False}  # whole: verify the whole block
+    rows = [reg("dflash", "B=8, L=2", "dflash", 7, **whole), reg("eagle3", "chain K=7", "eagle3", 7)]
     if quick:
         return rows
-    l1 = {"heads": str(HEADS / "stories260K_dflash_l1")}
-    parallel = {"heads": str(HEADS / "stories260K_eagle3_parallel")}
-    distilled = {"draft_model": str(HEADS / "stories260K_distill")}
+    l1, parallel = HEADS / "stories260K_dflash_l1", HEADS / "stories260K_eagle3_parallel"
+    present = lambda path, *rows: list(rows) if path.exists() else []  # rows of heads this checkout has
+    sized = {"confidence": True}
     rows = [
-        ("dflash", "B=4, L=2", "dflash", whole, 3, None),
+        reg("dflash", "B=4, L=2", "dflash", 3, **whole),
         rows[0],
-        ("dflash", "B=16, L=2", "dflash", whole, 15, None),
-        ("dflash", "B=16, L=2, confidence-sized", "dflash", {"confidence": True}, 15, None),
-        ("dflash", "B=8, L=2, confidence-sized", "dflash", {"confidence": True}, 7, None),
-        ("dflash", "B=7, L=2, dynamic 8,6,48", "dflash", {}, 6, "dynamic:8,6,48"),
-        ("dflash", "B=4, L=1", "dflash", l1 | whole, 3, None),
-        ("dflash", "B=8, L=1", "dflash", l1 | whole, 7, None),
-        ("dflash", "B=16, L=1", "dflash", l1 | whole, 15, None),
+        reg("dflash", "B=16, L=2", "dflash", 15, **whole),
+        reg("dflash", "B=16, L=2, confidence-sized", "dflash", 15, **sized),
+        reg("dflash", "B=8, L=2, confidence-sized", "dflash", 7, **sized),
+        reg("dflash", "B=7, L=2, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48"),
+        *present(
+            l1, *(reg("dflash", f"B={b}, L=1", "dflash", b - 1, heads=str(l1), **whole) for b in (4, 8, 16))
+        ),
         rows[1],
-        ("eagle3", "dynamic 8,6,48", "eagle3", {}, 6, "dynamic:8,6,48"),
-        ("eagle3", "chain K=4", "eagle3", {}, 4, None),
-        ("eagle3 parallel", "K=4 (trained unroll 4)", "eagle3", parallel, 4, None),
-        ("distilled draft", "2 layers, chain K=4", "draft_model", distilled, 4, None),
+        reg("eagle3", "dynamic 8,6,48", "eagle3", 6, "dynamic:8,6,48"),
+        reg("eagle3", "chain K=4", "eagle3", 4),
+        *present(
+            parallel, reg("eagle3 parallel", "K=4 (trained unroll 4)", "eagle3", 4, heads=str(parallel))
+        ),
+        reg(
+            "distilled draft",
+            "2 layers, chain K=4",
+            "draft_model",
+            4,
+            draft_model=str(HEADS / "stories260K_distill"),
+        ),
     ]
-    return [r for r in rows if "heads" not in r[3] or Path(r[3]["heads"]).exists()]
+    return rows
 
 
 def passes(drafter) -> int:
@@ -71,16 +75,12 @@ def passes(drafter) -> int:
 
 def category_rows(target, categories: dict, quick: bool) -> list[dict]:
     from specjax.decoding import speculative_generate
-    from specjax.drafting import registry
 
     rows = []
-    for method, setting, name, settings, k, tree in methods(quick):
-        entry = registry.get(name)
+    for row in methods(quick):
         for t in (0.0,) if quick else (0.0, 1.0):
             sampler = Sampler(t)
-            drafter, dparams = entry.build(
-                target, entry.settings(**settings), k, parse_tree(tree or ""), sampler
-            )
+            drafter, dparams = row.build(target, sampler)
             for category, (prompts, n) in categories.items():
                 spec = harness.generate_spec(n, sampler, eos_id=None)
                 gen = speculative_generate(
@@ -89,12 +89,9 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
                 m = metrics.pooled([gen.stats])
                 hist = np.asarray(gen.stats.k_hist)  # rounds by verified length
                 rows.append(
-                    dict(method=method, setting=setting, category=category, T=t, tau=m["tau"])
+                    dict(method=row.method, setting=row.setting, category=category, T=t, tau=m["tau"])
                     | dict(verified_per_round=float(np.dot(np.arange(len(hist)), hist) / hist.sum()))
-                    | dict(
-                        a=m["acceptance_rate"],
-                        draft_passes_per_round=passes(drafter),
-                    )
+                    | dict(a=m["acceptance_rate"], draft_passes_per_round=passes(drafter))
                 )
     return rows
 

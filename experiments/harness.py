@@ -136,12 +136,14 @@ def ratio(num: list[float], den: list[float], less: float = 0.0) -> float:
 class Row:
     """A drafter row of a decode table, declared: how the table names it, and how to build it for a sampler
     (`build(target, sampler) -> (drafter, params)`; None: AR). `k`: its chain length where it is a chain (the
-    i.i.d. prediction of tau), else None."""
+    i.i.d. prediction of tau), else None. `spec`: what it changes in the table's GenerateSpec (an acceptance
+    rule, adaptive K)."""
 
     method: str
     setting: str = "-"
     build: Callable | None = None
     k: int | None = None
+    spec: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 AR = Row("AR")
@@ -196,10 +198,11 @@ def decode_rows(target, prompts, spec, rows, repeats: int, bucket: int = 8):
     model = (target.cfg, target.graphdef, target.params)
     ar = {}
 
-    def compiled(runs: dict, p, drafter=None, dparams=None):
+    def compiled(runs: dict, p, drafter=None, dparams=None, changes=None):
         width = -(-len(p) // bucket)
         if width not in runs:
-            runs[width] = compile_decode(*model, [p], spec, drafter, dparams, bucket)[0]
+            own = dataclasses.replace(spec, **(changes or {}))
+            runs[width] = compile_decode(*model, [p], own, drafter, dparams, bucket)[0]
         return runs[width]
 
     for row in rows:
@@ -208,7 +211,7 @@ def decode_rows(target, prompts, spec, rows, repeats: int, bucket: int = 8):
         seconds = ar_seconds = 0.0 if repeats else float("nan")
         stats, tokens = [], []
         for p in prompts:
-            run = compiled(runs, p, drafter, dparams)
+            run = compiled(runs, p, drafter, dparams, row.spec)
             out = jax.block_until_ready(run([p]))
             stats.append(getattr(out, "stats", None))
             tokens.append(np.asarray(out.tokens[0]).tolist())

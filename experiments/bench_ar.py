@@ -17,7 +17,7 @@ import torch
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import SHAPES, random_hf_model
+from experiments.common import SHAPES, quiet_transformers, random_hf_model
 from experiments.costs import read_bandwidth_gbs
 from experiments.harness import interleaved_medians, write_table
 from specjax import cli
@@ -33,8 +33,7 @@ PROMPT = "Once upon a time, there was a little"
 
 
 def bench(name: str, model_dir: Path, bandwidth: float) -> dict:
-    import transformers
-
+    transformers = quiet_transformers()
     model = load_model(str(model_dir))
     prompt = model.tokenizer.encode(PROMPT) if name == "stories260K" else [1] + list(range(300, 308))
     n = FLAGS.new_tokens

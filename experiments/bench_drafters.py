@@ -137,7 +137,7 @@ def spec_rows(target, prompts, grounded, spec, settings) -> list[dict]:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    transformers.logging.set_verbosity_error()
+    common.quiet_transformers()
     smoke = FLAGS.smoke
     if smoke:
         FLAGS.repeats, FLAGS.hf_repeats, FLAGS.new_tokens, FLAGS.temperatures = 1, 1, 16, ["1"]

@@ -29,7 +29,7 @@ import transformers
 from absl import flags, logging
 
 from experiments import harness
-from experiments.common import SHAPES, random_hf_model
+from experiments.common import SHAPES, quiet_transformers, random_hf_model
 from experiments.costs import target_pass
 from experiments.harness import interleaved_times, median_time, write_table
 from specjax import cli
@@ -216,7 +216,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    transformers.logging.set_verbosity_error()
+    quiet_transformers()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -86,6 +86,15 @@ SHAPES = {
 }
 
 
+def quiet_transformers():
+    """transformers with its notes and progress bars off: loading a peer is not what a benchmark reports."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
 def random_hf_model(shape: dict, path: Path, seed: int = 0):
     """A random transformers LlamaForCausalLM of `shape`, saved as safetensors at `path` (tied embeddings)."""
     import torch

@@ -202,11 +202,11 @@ def ar_table(writer: harness.Writer, p: Plan) -> list[dict]:
     import torch
     import transformers
 
-    from experiments.common import random_hf_model
+    from experiments.common import quiet_transformers, random_hf_model
     from experiments.costs import read_bandwidth_gbs
     from specjax.models.loading import load_model
 
-    transformers.logging.set_verbosity_error()
+    quiet_transformers()
     bandwidth = read_bandwidth_gbs(2048 if p.ar_shapes != ("llama-tiny",) else 64) * 1e9
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -460,9 +460,8 @@ def sweeps(out: harness.Writer, quick: bool, target) -> None:
 
 def peers(out: harness.Writer, quick: bool, target) -> None:
     import torch
-    import transformers
 
-    transformers.logging.set_verbosity_error()
+    transformers = common.quiet_transformers()
     torch.set_num_threads(1)  # on 2 shared cores, 2 threads ran stories260K's generate ~10x slower
     hf = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()
     assistant = transformers.AutoModelForCausalLM.from_pretrained(target.path).eval()

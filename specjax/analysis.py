@@ -85,11 +85,30 @@ def rounds_cdf(tokens_per_round, n: int) -> np.ndarray:
     return cdf
 
 
-def expected_batch_rounds(tokens_per_round_rows, n: int) -> float:
-    """E[rounds until every row of a batch has emitted n tokens] = sum over r of P(some row needs more than r), rows
-    independent, each with its own distribution of tokens per round (`rounds_cdf`)."""
-    cdfs = np.stack([rounds_cdf(p, n) for p in tokens_per_round_rows])
+def expected_batch_rounds(tokens_per_round_rows, n) -> float:
+    """E[rounds until every row of a batch has emitted its n tokens (one n for every row, or one per row)] = sum over
+    r of P(some row needs more than r), rows independent, each with its own distribution of tokens per round
+    (`rounds_cdf`)."""
+    ns = [max(int(m), 0) for m in np.broadcast_to(n, (len(tokens_per_round_rows),))]
+    top = max(ns, default=0)
+    pad = lambda cdf: np.pad(cdf, (0, top + 1 - len(cdf)), constant_values=1.0)
+    cdfs = np.stack([pad(rounds_cdf(p, m)) for p, m in zip(tokens_per_round_rows, ns)])
     return float(np.sum(1.0 - np.prod(cdfs, axis=0)))
+
+
+def refill_schedule(rounds_N, slots: int) -> tuple[float, np.ndarray]:
+    """(the loop's rounds, [N] the round that makes each request's last token) when `slots` slots take the requests
+    in order (`specjax.decoding.refill`): the first `slots` start together, request i then needs rounds_N[i] rounds
+    after its prefill's token (fractional: an expectation), and the slot that frees first (the lower one on a tie)
+    takes the next request at once; a request that needs no round still holds its slot for one. Exact for integer
+    rounds: the loop's own schedule."""
+    free = np.zeros(min(slots, len(rounds_N)))  # when each slot can take its next request
+    ends = np.zeros(len(rounds_N))
+    for i, r in enumerate(rounds_N):
+        b = int(np.argmin(free))
+        ends[i] = free[b] + r
+        free[b] += max(r, 1)
+    return float(ends.max(initial=0.0)), ends
 
 
 def tokens_per_round(accepted_hist) -> np.ndarray:

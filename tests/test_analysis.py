@@ -79,6 +79,12 @@ def test_a_batch_runs_until_its_slowest_row_ends():
     # the negative control: the fast rows' mean rounds (n / tau, the one-row model) miss the batch's by far
     one_row = n / np.dot(np.arange(len(fast)), fast)
     assert expected > 1.3 * one_row
+    # one n per row (rows of a batch with different token budgets)
+    sim = np.concatenate(
+        [simulated_rounds(fast, n, 5, 20_000, rng), simulated_rounds(slow, 9, 3, 20_000, rng)], axis=1
+    ).max(1)
+    ragged = expected_batch_rounds(rows, [n] * 5 + [9] * 3)
+    assert ragged == pytest.approx(sim.mean(), abs=5 * sim.std() / np.sqrt(len(sim))) and ragged < expected
     # rounds that always emit j tokens: ceil(n / j) whatever the batch
     assert expected_batch_rounds([tokens_per_round([0, 0, 1])] * 4, 10) == pytest.approx(4.0, abs=1e-12)
     assert batch_speedup([tokens_per_round([0, 0, 1])], 10, 1.25) == pytest.approx(

@@ -1,6 +1,7 @@
 """Slots refilled inside the compiled loop (`specjax.decoding.refill`): every prompt's greedy output is its output
-decoded alone, AR and speculative; the loop runs exactly the steps of the slot schedule; sampled outputs follow
-AR's distribution (and a refill that reuses one key for every first token is caught)."""
+decoded alone, AR and speculative; the loop runs exactly the steps of the slot schedule
+(`analysis.refill_schedule`); sampled outputs follow AR's distribution (and a refill that reuses one key for every
+first token is caught)."""
 
 import dataclasses
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from helpers import N_SAMPLES, SMALL, Alternating, first_three, peaked, two_sample_pvalue
 
+from specjax import analysis
 from specjax.decoding import GenerateSpec, generate, refill
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.drafting import registry
@@ -25,23 +27,6 @@ TEXTS = [
     "A cat sat",
     "Sam",
 ]
-
-
-def schedule_steps(lengths: list[int], slots: int) -> int:
-    """The AR loop's steps when slots take prompts in order: each step every live slot emits a token; after it,
-    each finished slot (one at a time) starts the next prompt, whose first token comes from its prefill."""
-    left = [0] * slots  # tokens still to emit after the first
-    queue = list(lengths)
-    for b in range(slots):
-        left[b] = queue.pop(0) - 1
-    steps = 0
-    while any(x > 0 for x in left) or queue:
-        steps += 1
-        left = [max(x - 1, 0) for x in left]
-        for b in range(slots):
-            if left[b] == 0 and queue:
-                left[b] = queue.pop(0) - 1
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +54,10 @@ def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(budgets, 
     served = refill.serve(cfg, graphdef, params, prompts, spec, slots=3, budgets=budgets)
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
-    assert int(served.rounds) == schedule_steps(lengths.tolist(), 3)
+    # the loop runs the slot schedule: each prompt's last token in the round the schedule says (the model of
+    # `specjax.analysis`, exact for known lengths)
+    rounds, ends = analysis.refill_schedule(lengths - 1, 3)
+    assert int(served.rounds) == rounds and np.asarray(served.end_rounds).tolist() == ends.tolist()
     # batch after batch would take the sum of each batch's longest row
     assert int(served.rounds) < sum(max(lengths[i : i + 3]) - 1 for i in range(0, len(prompts), 3))
 
@@ -99,6 +87,9 @@ def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, st
     np.testing.assert_array_equal(np.asarray(served.tokens), tokens)
     np.testing.assert_array_equal(np.asarray(served.lengths), lengths)
     assert int(served.stats.emitted.sum()) == int(lengths.sum()) - len(prompts)  # first tokens from prefill
+    assert int(np.max(served.end_rounds)) == int(
+        served.rounds
+    )  # the last prompt's last token ends the loop
     if adaptive is not None:
         k_hist = np.asarray(served.stats.k_hist)
         assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist

@@ -38,6 +38,9 @@ class Served:
     lengths: jax.Array  # [N] tokens generated per prompt (EOS included)
     rounds: jax.Array  # [] loop iterations: target passes after the prefills
     stats: SpecStats | None  # speculative runs: the rounds' statistics (rows: slots)
+    end_rounds: (
+        jax.Array
+    )  # [N] the iteration that made each prompt's last token (0: its prefill, at the start)
 
 
 @struct.dataclass
@@ -48,6 +51,8 @@ class Queue:
     request_B: jax.Array  # [B] the prompt each slot serves
     out_NT: jax.Array  # [N, max_new_tokens]
     n_out_N: jax.Array  # [N]
+    rounds: jax.Array  # [] loop iterations so far
+    end_N: jax.Array  # [N] the iteration that made each prompt's last token so far
 
 
 def put_row(full, row, slot, batch: int, take=True):
@@ -92,6 +97,7 @@ def refill(state, done_B, queue: Queue, new_row, place):
             request_B=queue.request_B.at[b].set(jnp.where(take, prompt, queue.request_B[b])),
             out_NT=queue.out_NT.at[written, 0].set(first, mode="drop"),
             n_out_N=queue.n_out_N.at[written].set(1, mode="drop"),
+            end_N=queue.end_N.at[written].set(queue.rounds, mode="drop"),
         )
 
     return jax.lax.fori_loop(0, queue.request_B.shape[0], each, (state, queue))
@@ -107,6 +113,23 @@ def opening(tokens_NP, lengths_N, slots: int, n_new: int):
     n = tokens_NP.shape[0]
     request = jnp.arange(slots, dtype=jnp.int32)
     return tokens_NP[:slots], lengths_N[:slots], request, jnp.zeros((n, n_new), jnp.int32)
+
+
+def opening_queue(request_B, out_NT, first_B) -> Queue:
+    """The queue after the opening prefill: the first slots' prompts started, each with its first token."""
+    n = out_NT.shape[0]
+    ones = jnp.zeros((n,), jnp.int32).at[request_B].set(1)
+    zero = jnp.int32(0)
+    return Queue(
+        jnp.int32(len(request_B)), request_B, out_NT.at[request_B, 0].set(first_B), ones, zero, 0 * ones
+    )
+
+
+def ended(queue: Queue, live_B) -> Queue:
+    """`queue` after an iteration: the rows live in it (`live_B`) made tokens in it."""
+    rounds = queue.rounds + 1
+    rows = jnp.where(live_B, queue.request_B, queue.end_N.shape[0])  # idle slots write nothing
+    return queue.replace(rounds=rounds, end_N=queue.end_N.at[rows].set(rounds, mode="drop"))
 
 
 def one_prompt(tokens_NP, lengths_N, prompt):
@@ -152,12 +175,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
     n = out.shape[0]
     ends = lambda first, prompt: (first == stop) | (budget_N[prompt] <= 1)  # at its first token
     state = ARSlots(cache, first, jnp.ones((slots,), jnp.int32), ends(first, request))
-    queue = Queue(
-        jnp.int32(slots),
-        request,
-        out.at[request, 0].set(first),
-        jnp.zeros((n,), jnp.int32).at[request].set(1),
-    )
+    queue = opening_queue(request, out, first)
 
     def new_row(prompt):
         cache_1, first_1 = begin(*one_prompt(tokens_NP, lengths_N, prompt), prompt[None])
@@ -186,14 +204,14 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
         )
         done = s.done_B | (token == stop) | (pos >= budget_N[queue.request_B])
         s = ARSlots(cache.advance(active.astype(jnp.int32)), token, pos, done)
-        s, queue = refill(s, done, queue, new_row, place)
+        s, queue = refill(s, done, ended(queue, active), new_row, place)
         return i + 1, s, queue
 
     go_on = lambda carry: (
         ~jnp.all(carry[1].done_B) | (carry[2].next < n)
     )  # a row to run, or a prompt waiting
     i, _, queue = jax.lax.while_loop(go_on, body, (jnp.int32(0), state, queue))
-    return Served(queue.out_NT, queue.n_out_N, i, None)
+    return Served(queue.out_NT, queue.n_out_N, i, None, queue.end_N)
 
 
 # --- speculative ----------------------------------------------------------------------------------------------
@@ -243,12 +261,7 @@ def _speculative_serve(
         stats=SpecStats.zeros(slots, drafter.shape.depth),
         estimate=estimate,
     )
-    queue = Queue(
-        jnp.int32(slots),
-        request,
-        out.at[request, 0].set(first),
-        jnp.zeros((n,), jnp.int32).at[request].set(1),
-    )
+    queue = opening_queue(request, out, first)
     carry = (loop, lengths, queue)  # with each slot's prompt length
 
     def harvest(loop: LoopState, start_B, queue: Queue) -> Queue:
@@ -280,18 +293,19 @@ def _speculative_serve(
 
     def body(carry):
         loop, start_B, queue = carry
+        live = ~loop.done_B
         args = (graphdef, params, drafter, drafter_params, spec, loop, start_B + budget_N[queue.request_B])
         if spec.adaptive_k is None:
             loop = speculative_round(*args, round_keys)
         else:  # the queue's tokens are work left too: a refilled batch does not wait for its slowest row
             loop = chosen_round(*args, round_keys, queued(queue.next))
-        queue = harvest(loop, start_B, queue)
+        queue = ended(harvest(loop, start_B, queue), live)
         (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, new_row, place)
         return loop, start_B, queue
 
     go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)
     loop, start_B, queue = jax.lax.while_loop(go_on, body, carry)
-    return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats)
+    return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats, queue.end_N)
 
 
 def token_budgets(budgets, n_prompts: int, max_new: int) -> np.ndarray:

@@ -29,6 +29,9 @@ Sections:
   optimum for corpora sampled at T = 1, 0.5 and 0 (`experiments.dflash_bound`; not in --quick).
 - suffix: suffix decoding on rollouts (16 samples per prompt at T = 1, 0.7, 0.3) and repeated greedy tasks, with and
   without the outputs of earlier requests in its store, against n-gram (`experiments.suffix_table`).
+- batch: AR, EAGLE-3's chain and the policy (adaptive K per round) at batch 1..16, batch after batch and with slots
+  refilled, over 64 prompts of mixed lengths on the memory-bound target: tokens/s, latency, against the prediction
+  (`experiments.batch_table`; not in --quick).
 - systems: per drafter, compile time of the whole decode loop, time per round against one AR step, and the
   parameter bytes it adds to the target's (the verify-cost curve is in memory_bound_curve).
 Every metric comes from `specjax.metrics` / `specjax.analysis`. stories260K fits in cache: its speedups measure
@@ -61,6 +64,7 @@ SECTIONS = (
     "dflash",
     "dflash_bound",
     "suffix",
+    "batch",
 )
 flags.DEFINE_bool("quick", False, "A run of about two minutes that writes every file (the test suite's).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to regenerate.")
@@ -598,6 +602,17 @@ def suffix(out: harness.Writer, quick: bool, target) -> None:
     suffix_table.tables(out, quick, target)
 
 
+# --- batches ------------------------------------------------------------------------------------------------
+
+
+def batch(out: harness.Writer, quick: bool) -> None:
+    if quick:  # minutes of compiling: tests/test_refill.py checks its runs and AR's predicted rounds
+        return
+    from experiments import batch_table
+
+    batch_table.table(out, batch_table.Settings(repeats=FLAGS.repeats))
+
+
 # --- systems ------------------------------------------------------------------------------------------------
 
 
@@ -715,6 +730,7 @@ def main(argv):
             ("suffix", suffix),
         )
     }
+    run["batch"] = lambda: batch(out, FLAGS.quick)
     began = time.perf_counter()
     for i, name in enumerate(FLAGS.sections, 1):
         print(f"[{i}/{len(FLAGS.sections)}] {name} ...", flush=True)

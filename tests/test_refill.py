@@ -143,3 +143,28 @@ def test_decode_texts_with_refill_gives_the_batch_after_batch_texts(stories):
     suffix, params = entry.build(stories, entry.settings(), 4, None, Sampler())
     with pytest.raises(DecodingError, match="learns between batches"):
         decode_texts(stories, TEXTS, spec, 0, 2, suffix, params, refill=True)
+
+
+def test_batch_table_predicts_ar_rounds_exactly_in_both_modes(stories, story_job):
+    """`make tables --sections=batch`'s runs (experiments.batch_table): batch after batch and refilled give the same
+    greedy outputs, each request's end round, and AR's rounds as the model predicts them from the lengths (the
+    prediction's rounds are exact for AR; for a drafter they are expectations)."""
+    from experiments import batch_table
+
+    prompts, spec, tokens, lengths = story_job
+    target = (stories.cfg, stories.graphdef, stories.params)
+    runs = {
+        mode: build(target, prompts, spec, 3, None, None)() for mode, build in batch_table.BUILD.items()
+    }
+    cost = dict(step=1.0, prefill=10.0, prefill_1=100.0)
+    for mode, run in runs.items():
+        np.testing.assert_array_equal(run.tokens, tokens)
+        rounds, seconds = batch_table.predicted_seconds("AR", mode, run, 3, 0, cost)
+        assert rounds == run.rounds and run.ends.max() == run.rounds
+        prefills = 3 * 10.0 if mode == "batch after batch" else 10.0 + 4 * 100.0  # 7 prompts, 3 slots
+        assert seconds == rounds + prefills
+    bab, refilled = runs["batch after batch"], runs["refill"]
+    assert (
+        bab.ends.tolist()[:3] == (lengths[:3] - 1).tolist()
+    )  # the first batch's rows end with their tokens
+    assert refilled.rounds < bab.rounds and refilled.ends.mean() < bab.ends.mean()

@@ -1,0 +1,246 @@
+"""`make tables --sections=batch`: batches that never lose, on the memory-bound target (stories260K expanded:
+synthetic cost, real distribution; `experiments.bench_memory_bound`).
+
+Story openings of 2-23 words, each continued to the end of its sentence (a stop at '.', at most 64 tokens: mixed
+output lengths), greedy, at each batch size: AR, EAGLE-3's chain of K and the policy (each round's K chosen on device
+among 0 (an AR round), 1, 2, 4 and K from the round costs measured at that batch before the loop: `AdaptiveK`), each
+run batch after batch and with slots refilled inside the compiled loop (`specjax.decoding.refill`). Columns: tokens/s
+over the whole set and the speedup over AR run the same way (medians of runs timed in turns), loop rounds, each
+request's latency (the time of the round that made its last token, at the run's mean time per round; p50 and p90),
+and the prediction of `specjax.analysis`: rounds from each request's tokens and the run's pooled acceptance (batch
+after batch, each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the
+costs measured at that batch (a round: K head calls and a (K + 1)-token pass; the prefills), against the measured
+time. The policy's rounds change K: it has no prediction.
+
+    .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import flags, logging
+
+from experiments import costs, harness
+from specjax import analysis, expand
+from specjax.sampling import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    prompts: int = 64
+    max_new_tokens: int = 64
+    k: int = 4  # EAGLE-3's chain (the policy's largest K)
+    repeats: int = 2
+    calls: int = 8  # passes per timed loop of the costs
+    expansion: expand.Expansion = expand.Expansion()
+
+
+def openings(tokenizer, n: int) -> list[list[int]]:
+    """The first 2-23 words (seeded) of the first n stories of `experiments/data/stories.txt`."""
+    text = (Path(__file__).parent / "data" / "stories.txt").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    rng = np.random.default_rng(0)
+    return [tokenizer.encode(" ".join(lines[i].split()[: int(rng.integers(2, 24))])) for i in range(n)]
+
+
+@dataclasses.dataclass
+class Run:
+    """One decoding of every prompt: outputs, loop rounds, each request's end round, the pooled statistics."""
+
+    tokens: np.ndarray  # [N, max_new_tokens]
+    lengths: np.ndarray  # [N]
+    rounds: int
+    ends: np.ndarray  # [N] the round that made each request's last token
+    stats: object  # speculative runs' SpecStats, pooled (None: AR)
+
+
+def batch_after_batch(target, prompts, spec, slots: int, drafter, dparams):
+    """run(seed) -> `Run`: the prompts in batches of `slots` (the last padded), one compiled program."""
+    from specjax.decoding import compile_decode
+
+    width = max(map(len, prompts))
+    batches = [prompts[i : i + slots] for i in range(0, len(prompts), slots)]
+    pad = lambda batch: batch + [batch[-1]] * (slots - len(batch))
+    run, _ = compile_decode(*target, pad(batches[0]), spec, drafter, dparams, width)
+
+    def go(seed: int = 0) -> Run:
+        tokens, lengths, ends, stats, rounds = [], [], [], [], 0
+        for batch in batches:
+            gen = jax.block_until_ready(run(pad(batch), seed))
+            n = len(batch)
+            length = np.asarray(gen.lengths)[:n]
+            tokens.append(np.asarray(gen.tokens)[:n])
+            lengths.append(length)
+            own = length - 1 if drafter is None else np.asarray(gen.stats.row_rounds)[:n]
+            ends.append(rounds + own)
+            rounds += int(gen.target_passes if drafter is None else gen.stats.rounds)
+            stats.append(None if drafter is None else gen.stats)
+        pooled = None if drafter is None else jax.tree.map(lambda *x: sum(np.asarray(v) for v in x), *stats)
+        return Run(np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), pooled)
+
+    return go
+
+
+def refilled(target, prompts, spec, slots: int, drafter, dparams):
+    """run(seed) -> `Run`: the prompts through `slots` slots refilled inside one compiled loop."""
+    from specjax.decoding.refill import compile_serve
+
+    run, _ = compile_serve(*target, prompts, spec, slots, drafter, dparams)
+
+    def go(seed: int = 0) -> Run:
+        served = jax.block_until_ready(run(prompts, seed))
+        out = (np.asarray(served.tokens), np.asarray(served.lengths), int(served.rounds))
+        stats = None if served.stats is None else jax.tree.map(np.asarray, served.stats)
+        return Run(*out, np.asarray(served.end_rounds), stats)
+
+    return go
+
+
+BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
+
+
+def round_costs(settings: Settings, target, loaded, b: int, width: int) -> dict:
+    """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of `width` tokens
+    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`)."""
+    from experiments.bench_memory_bound import head_call
+
+    cfg, graphdef, params = target
+    in_out, calls = costs.on_cpu_in_out(graphdef, params), settings.calls
+    passes = {"step": (b, 1), "verify": (b, settings.k + 1), "prefill": (b, width), "prefill_1": (1, width)}
+    fns = {}
+    for name, (rows, t) in passes.items():
+        g, p = costs.as_decoded(rows * t, (graphdef, params), in_out)
+        fns[name] = costs.target_pass(cfg, g, p, rows, t, calls)
+    fns["head"] = head_call(loaded, "eagle3", target, b, calls)
+    return {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
+
+
+def predicted_seconds(method: str, mode: str, run: Run, b: int, k: int, cost: dict) -> tuple[float, float]:
+    """(predicted rounds, predicted seconds) of `run`'s requests decoded by `method` at batch b in `mode`."""
+    n = run.lengths - 1  # tokens after each request's first (from its prefill)
+    if method == "AR":
+        each, round_s = n.astype(float), cost["step"]
+        batch_rounds = lambda rows: float(max(n[rows]))
+    else:
+        p = analysis.tokens_per_round(np.asarray(run.stats.row_hist).sum(0))
+        each = np.array([analysis.expected_batch_rounds([p], m) for m in n])
+        round_s = k * cost["head"] + cost["verify"]
+        batch_rounds = lambda rows: analysis.expected_batch_rounds([p] * len(rows), n[rows])
+    groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
+    if mode == "refill":
+        rounds = analysis.refill_schedule(each, b)[0]
+        prefill_s = cost["prefill"] + max(len(n) - b, 0) * cost["prefill_1"]
+    else:
+        rounds = sum(batch_rounds(rows) for rows in groups)
+        prefill_s = len(groups) * cost["prefill"]
+    return rounds, rounds * round_s + prefill_s
+
+
+def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> list[dict]:
+    """Every method and mode at batch b (a row ends at `stop`), timed in turns."""
+    from experiments.bench_memory_bound import make_drafter
+    from specjax.decoding import AdaptiveK, GenerateSpec
+
+    spec = GenerateSpec(settings.max_new_tokens, Sampler(), eos_id=stop)
+    drafter, dparams = make_drafter("eagle3", target, None, loaded, settings.k, None, Sampler())
+    policy = AdaptiveK(tuple(sorted({k for k in (0, 1, 2, 4) if k < settings.k} | {settings.k})))
+    jobs = {"AR": (spec, None, None), "eagle3": (spec, drafter, dparams)}
+    jobs["policy"] = (dataclasses.replace(spec, adaptive_k=policy), drafter, dparams)
+    fns = {
+        (m, mode): BUILD[mode](target, prompts, s, b, d, dp)
+        for m, (s, d, dp) in jobs.items()
+        for mode in BUILD
+    }
+    runs = {}  # each job's last run (seed 0): the outputs compared and the statistics
+
+    def recorded(key):
+        def call():
+            runs[key] = fns[key]()
+
+        return call
+
+    times = harness.interleaved_times({key: recorded(key) for key in fns}, settings.repeats, settle=False)
+    jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
+    cost = round_costs(settings, target, loaded, b, max(map(len, prompts)))
+    first = next(iter(runs.values()))
+    rows = []
+    for (method, mode), run in runs.items():
+        seconds = statistics.median(times[(method, mode)])
+        same = np.array_equal(run.lengths, first.lengths) and np.array_equal(run.tokens, first.tokens)
+        latency = seconds * run.ends / max(run.rounds, 1)
+        row = dict(batch=b, method=method, mode=mode, tokens=int(run.lengths.sum()), rounds=run.rounds)
+        row |= dict(
+            tok_s=run.lengths.sum() / seconds,
+            speedup=harness.ratio(times[("AR", mode)], times[(method, mode)]),
+        )
+        row |= dict(
+            latency_p50_s=float(np.median(latency)), latency_p90_s=float(np.percentile(latency, 90))
+        )
+        rounds, predicted_s = (np.nan, np.nan)
+        if method != "policy":
+            rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost)
+        row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
+        row |= dict(measured_over_predicted=predicted_s / seconds, identical=bool(same))
+        hist = [] if run.stats is None else np.asarray(run.stats.k_hist).tolist()  # row-rounds by K
+        row["rounds_by_k"] = " ".join(f"K={k}:{c}" for k, c in enumerate(hist) if c) or "-"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def table(out: harness.Writer, settings: Settings) -> list[dict]:
+    """The section: every batch size, written as `batch`."""
+    from experiments import bench_memory_bound as bench
+
+    small, target, _, loaded = bench.load(
+        bench.Settings(expansion=settings.expansion, kinds=("eagle3 chain",))
+    )
+    stop = small.tokenizer.encode("He ran.")[-1]  # '.'
+    prompts = openings(small.tokenizer, settings.prompts)
+    rows = [r for b in settings.batches for r in rows_at(settings, target, loaded, prompts, stop, b)]
+    cfg = target[0]
+    out.table(
+        "batch",
+        rows,
+        f"Batches on the expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, float32): {len(prompts)} story "
+        f"openings each continued to the end of its sentence (at most {settings.max_new_tokens} tokens), greedy; AR, "
+        f"EAGLE-3's chain K={settings.k} and the policy (adaptive K per round), batch after batch and refilled; "
+        f"medians of {settings.repeats} runs in turns; latency: the time of the round that made a request's last "
+        "token; predicted: rounds from the run's acceptance (specjax.analysis) x the round's cost measured at that "
+        "batch, plus the prefills; measured_over_predicted = predicted time / measured time",
+    )
+    return rows
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("batches", ["1", "2", "4", "8", "16"], "Batch sizes (slots).")
+    flags.DEFINE_integer("prompts", 64, "Story openings.")
+    flags.DEFINE_integer("k", 4, "EAGLE-3's chain length (the policy's largest K).")
+    flags.DEFINE_integer("repeats", 2, "Timed runs of each job, in turns (median).")
+    flags.DEFINE_string("results", str(harness.RESULTS), "Folder for the table.")
+    harness.define_precision_flag()
+
+
+def main(argv):
+    del argv
+    from specjax import cli
+
+    logging.set_verbosity(logging.WARNING)
+    f = flags.FLAGS
+    settings = Settings(tuple(map(int, f.batches)), f.prompts, k=f.k, repeats=f.repeats)
+    if min(settings.batches) < 1 or f.prompts < 1 or f.k < 1 or f.repeats < 1:
+        raise cli.UsageError("--batches, --prompts, --k and --repeats must each be at least 1")
+    table(harness.Writer(Path(f.results)), settings)
+
+
+if __name__ == "__main__":
+    from specjax import cli
+
+    define_flags()
+    cli.run(main)

@@ -26,7 +26,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import costs, harness
-from specjax import analysis, expand
+from specjax import analysis, cli, expand
 from specjax.sampling import Sampler
 
 
@@ -229,8 +229,6 @@ def define_flags() -> None:
 
 def main(argv):
     del argv
-    from specjax import cli
-
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
     settings = Settings(tuple(map(int, f.batches)), f.prompts, k=f.k, repeats=f.repeats)
@@ -240,7 +238,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from specjax import cli
-
     define_flags()
     cli.run(main)

@@ -38,9 +38,9 @@ class Served:
     lengths: jax.Array  # [N] tokens generated per prompt (EOS included)
     rounds: jax.Array  # [] loop iterations: target passes after the prefills
     stats: SpecStats | None  # speculative runs: the rounds' statistics (rows: slots)
-    end_rounds: (
-        jax.Array
-    )  # [N] the iteration that made each prompt's last token (0: its prefill, at the start)
+    # [N] the iteration that made each prompt's last token (where its prefill's token ended it, the iteration that
+    # placed it: 0 for the first slots)
+    end_rounds: jax.Array
 
 
 @struct.dataclass
@@ -117,12 +117,9 @@ def opening(tokens_NP, lengths_N, slots: int, n_new: int):
 
 def opening_queue(request_B, out_NT, first_B) -> Queue:
     """The queue after the opening prefill: the first slots' prompts started, each with its first token."""
-    n = out_NT.shape[0]
-    ones = jnp.zeros((n,), jnp.int32).at[request_B].set(1)
-    zero = jnp.int32(0)
-    return Queue(
-        jnp.int32(len(request_B)), request_B, out_NT.at[request_B, 0].set(first_B), ones, zero, 0 * ones
-    )
+    zeros = jnp.zeros((out_NT.shape[0],), jnp.int32)
+    out = out_NT.at[request_B, 0].set(first_B)
+    return Queue(jnp.int32(len(request_B)), request_B, out, zeros.at[request_B].set(1), jnp.int32(0), zeros)
 
 
 def ended(queue: Queue, live_B) -> Queue:

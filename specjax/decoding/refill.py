@@ -187,11 +187,11 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
         )
 
     def body(carry):
-        i, s, queue = carry
+        s, queue = carry
         active = ~s.done_B
         positions = s.cache.length[:, None]
         logits, _, cache = forward(graphdef, params, s.last_B[:, None], positions, s.cache, causal_mask(1))
-        u = jax.random.uniform(jax.random.fold_in(k_steps, i), (slots,))
+        u = jax.random.uniform(jax.random.fold_in(k_steps, queue.rounds), (slots,))
         token = sampler.sample_with(u, logits[:, 0])
         rows = jnp.where(active, queue.request_B, n)  # idle slots write nothing
         pos = s.pos_B + active
@@ -201,14 +201,13 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
         )
         done = s.done_B | (token == stop) | (pos >= budget_N[queue.request_B])
         s = ARSlots(cache.advance(active.astype(jnp.int32)), token, pos, done)
-        s, queue = refill(s, done, ended(queue, active), new_row, place)
-        return i + 1, s, queue
+        return refill(s, done, ended(queue, active), new_row, place)
 
     go_on = lambda carry: (
-        ~jnp.all(carry[1].done_B) | (carry[2].next < n)
+        ~jnp.all(carry[0].done_B) | (carry[1].next < n)
     )  # a row to run, or a prompt waiting
-    i, _, queue = jax.lax.while_loop(go_on, body, (jnp.int32(0), state, queue))
-    return Served(queue.out_NT, queue.n_out_N, i, None, queue.end_N)
+    _, queue = jax.lax.while_loop(go_on, body, (state, queue))
+    return Served(queue.out_NT, queue.n_out_N, queue.rounds, None, queue.end_N)
 
 
 # --- speculative ----------------------------------------------------------------------------------------------

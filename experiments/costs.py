@@ -178,10 +178,15 @@ def prompt_width(groups) -> int:
     return 32 * -(-max(len(p) for g in groups for p in g) // 32)
 
 
+class PerGroup(list):
+    """A drafter's params for each group of `timed_groups` in turn (a store that learned each group's history)."""
+
+
 def timed_groups(target, groups, kw: dict, drafters: dict, repeats: int):
     """({name: seconds per repetition}, {name: the last repetition's outputs per group}): AR and each
     {name: (drafter, params)} (or (drafter, params, its own GenerateSpec keywords)) compiled for the groups' padded
-    width (`target` = (cfg, graphdef, params)), then run in turns, group i with seed i."""
+    width (`target` = (cfg, graphdef, params)), then run in turns, group i with seed i (and params[i] where params
+    is a `PerGroup`)."""
     from specjax.decoding import compile_decode
 
     bucket = prompt_width(groups)
@@ -190,14 +195,18 @@ def timed_groups(target, groups, kw: dict, drafters: dict, repeats: int):
         spec = harness.generate_spec(eos_id=None, **(kw | own))
         return compile_decode(*target, groups[0], spec, drafter, dparams, bucket=bucket)[0]
 
-    runs = {"AR": compiled({})}
+    runs, per_group = {"AR": compiled({})}, {"AR": [None] * len(groups)}
     for name, (drafter, dp, *own) in drafters.items():
-        runs[name] = compiled(own[0] if own else {}, drafter, dp)
+        runs[name] = compiled(own[0] if own else {}, drafter, dp[0] if isinstance(dp, PerGroup) else dp)
+        per_group[name] = dp if isinstance(dp, PerGroup) else [None] * len(groups)
     outputs = {}
 
     def job(name, run):
         def go():
-            outputs[name] = [jax.block_until_ready(run(g, seed=i)) for i, g in enumerate(groups)]
+            outputs[name] = [
+                jax.block_until_ready(run(g, seed=i, drafter_params=dp))
+                for i, (g, dp) in enumerate(zip(groups, per_group[name]))
+            ]
 
         return go
 

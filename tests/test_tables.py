@@ -219,3 +219,27 @@ def test_decode_rows_time_each_drafter_in_turns_with_ar(stories):
     )
     (untimed,) = harness.decode_rows(stories, prompts, spec, [ngram], 0)
     assert np.isnan(untimed.seconds) and untimed.tokens == ar.tokens
+
+
+def test_timed_groups_give_each_group_its_own_params(stories):
+    """`costs.timed_groups` with `PerGroup` params: group i drafts from params[i] (here a suffix store that holds
+    group i's greedy output, so every draft token is accepted); swapped stores (the control) accept fewer."""
+    from experiments import costs
+    from specjax.drafting import registry
+    from specjax.sampling import Sampler
+
+    groups = [[stories.tokenizer.encode(t)] for t in ("Once upon a time", "Lily wanted to")]
+    target, kw = (stories.cfg, stories.graphdef, stories.params), dict(max_new_tokens=24)
+    entry = registry.get("suffix")
+    suffix, store = entry.build(stories, entry.settings(), 4, None, Sampler())
+    _, ar = costs.timed_groups(target, groups, kw, {}, 1)
+    histories = [[g[0] + np.asarray(out.tokens)[0].tolist()] for g, out in zip(groups, ar["AR"])]
+    stores = [suffix.absorb(store, h) for h in histories]
+    drafters = {"own": (suffix, costs.PerGroup(stores)), "swapped": (suffix, costs.PerGroup(stores[::-1]))}
+    times, outputs = costs.timed_groups(target, groups, kw, drafters, 1)
+    assert set(times) == {"AR", "own", "swapped"} and all(len(t) == 1 for t in times.values())
+    tokens = {name: [np.asarray(o.tokens).tolist() for o in outs] for name, outs in outputs.items()}
+    assert tokens["own"] == tokens["swapped"] == tokens["AR"]  # greedy: AR's tokens whatever the drafts
+    rounds = {name: [int(np.sum(o.stats.row_rounds)) for o in outputs[name]] for name in drafters}
+    assert all(r <= -(-23 // 5) for r in rounds["own"])  # 23 tokens after the first, 5 a round
+    assert all(s > o for s, o in zip(rounds["swapped"], rounds["own"]))

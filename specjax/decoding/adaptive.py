@@ -113,13 +113,14 @@ class AdaptiveK:
         if self.costs is None or self.prior is None:  # calibrating: the caller chooses
             return jnp.int32(0)
         mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K))
-        rounds = [
-            jnp.max(remaining_B).astype(jnp.float32)
-            if k == 0
-            else expected_rounds_to_finish(mean_K[k - 1], var_K[k - 1], remaining_B)
-            for k in self.ks
-        ]
-        return jnp.argmin(jnp.stack(rounds) * jnp.asarray(self.costs)).astype(jnp.int32)
+        drafting = jnp.asarray([k - 1 for k in self.ks if k > 0])
+        # every K at once: a round runs this, and a few batched operations cost less than a few per K
+        rounds = jax.vmap(expected_rounds_to_finish, (0, 0, None))(
+            mean_K[drafting], var_K[drafting], remaining_B
+        )
+        if self.ks[0] == 0:  # K = 0: a token a round
+            rounds = jnp.concatenate([jnp.max(remaining_B).astype(jnp.float32)[None], rounds])
+        return jnp.argmin(rounds * jnp.asarray(self.costs)).astype(jnp.int32)
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""

@@ -105,19 +105,25 @@ def refilled(target, prompts, spec, slots: int, drafter, dparams):
 BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
 
 
-def round_costs(settings: Settings, target, loaded, b: int, width: int) -> dict:
+def round_costs(settings: Settings, target, loaded, b: int, width: int, caches: dict) -> dict:
     """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of `width` tokens
-    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`)."""
+    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`), each with the cache its job
+    has (`caches`: AR's and the speculative job's slots; attention reads the whole static cache)."""
     from experiments.bench_memory_bound import head_call
 
     cfg, graphdef, params = target
     in_out, calls = costs.on_cpu_in_out(graphdef, params), settings.calls
-    passes = {"step": (b, 1), "verify": (b, settings.k + 1), "prefill": (b, width), "prefill_1": (1, width)}
+    passes = {  # name: (rows, tokens, cache)
+        "step": (b, 1, caches["AR"]),
+        "verify": (b, settings.k + 1, caches["eagle3"]),
+        "prefill": (b, width, caches["AR"]),
+        "prefill_1": (1, width, caches["AR"]),
+    }
     fns = {}
-    for name, (rows, t) in passes.items():
+    for name, (rows, t, size) in passes.items():
         g, p = costs.as_decoded(rows * t, (graphdef, params), in_out)
-        fns[name] = costs.target_pass(cfg, g, p, rows, t, calls)
-    fns["head"] = head_call(loaded, "eagle3", target, b, calls)
+        fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
+    fns["head"] = head_call(loaded, "eagle3", target, b, calls, caches["eagle3"])
     return {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
 
 
@@ -146,6 +152,7 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
     """Every method and mode at batch b (a row ends at `stop`), timed in turns."""
     from experiments.bench_memory_bound import make_drafter
     from specjax.decoding import AdaptiveK, GenerateSpec
+    from specjax.decoding.jobs import prepare, prepare_speculative
 
     spec = GenerateSpec(settings.max_new_tokens, Sampler(), eos_id=stop)
     drafter, dparams = make_drafter("eagle3", target, None, loaded, settings.k, None, Sampler())
@@ -167,7 +174,12 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
 
     times = harness.interleaved_times({key: recorded(key) for key in fns}, settings.repeats, settle=False)
     jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
-    cost = round_costs(settings, target, loaded, b, max(map(len, prompts)))
+    width = max(map(len, prompts))
+    caches = {  # each job's static cache, as batch after batch pads it
+        "AR": prepare(target[0], prompts, spec, width)[2].cache_size,
+        "eagle3": prepare_speculative(target[0], drafter, prompts, spec, width)[2].cache_size,
+    }
+    cost = round_costs(settings, target, loaded, b, width, caches)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():

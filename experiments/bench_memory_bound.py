@@ -210,13 +210,14 @@ def pilot_taus(settings: Settings, small, loaded) -> dict:
 # --- the benchmark ---------------------------------------------------------------------------------------
 
 
-def head_call(loaded, method: str, target, b: int, calls: int):
+def head_call(loaded, method: str, target, b: int, calls: int, cache_size: int = costs.CURVE_CACHE):
     """The timed loop of one call of the expanded `method` head (EAGLE or EAGLE-3) at batch b."""
     cfg, _, params = target
     meta, hgraph, hparams = loaded[method]["big"]
     head = costs.head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim)
     dparams = heads.drafter_params(meta, hparams, cfg, params)
-    return costs.pass_loop(head, dparams, costs.half_cache(cfg.replace(n_layers=1), b), b, 1, calls)
+    cache = costs.half_cache(cfg.replace(n_layers=1), b, cache_size)
+    return costs.pass_loop(head, dparams, cache, b, 1, calls)
 
 
 def drafter_calls(settings: Settings, target, draft_model, loaded, b: int) -> dict:

@@ -9,8 +9,10 @@ over the whole set and the speedup over AR run the same way (medians of runs tim
 request's latency (the time of the round that made its last token, at the run's mean time per round; p50 and p90),
 and the prediction of `specjax.analysis`: rounds from each request's tokens and the run's pooled acceptance (batch
 after batch, each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the
-costs measured at that batch (a round: K head calls and a (K + 1)-token pass; the prefills), against the measured
-time. The policy's rounds change K: it has no prediction.
+costs measured at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache;
+the prefills), against the measured time; and EAGLE-3's rounds priced at the speculative loop's own round at that
+batch (everything a round does besides its passes: acceptance, the commit, the head's state). The policy's rounds
+change K: it has no prediction.
 
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
@@ -27,6 +29,7 @@ from absl import flags, logging
 
 from experiments import costs, harness
 from specjax import analysis, cli, expand
+from specjax.models.llama import in_out_layout
 from specjax.sampling import Sampler
 
 
@@ -127,17 +130,21 @@ def round_costs(settings: Settings, target, loaded, b: int, width: int, caches: 
     return {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
 
 
-def predicted_seconds(method: str, mode: str, run: Run, b: int, k: int, cost: dict) -> tuple[float, float]:
-    """(predicted rounds, predicted seconds) of `run`'s requests decoded by `method` at batch b in `mode`."""
+def predicted_seconds(
+    method: str, mode: str, run: Run, b: int, k: int, cost: dict, round_s: float | None = None
+) -> tuple[float, float]:
+    """(predicted rounds, predicted seconds) of `run`'s requests decoded by `method` at batch b in `mode`, a round
+    costing `round_s` (None: its passes', a one-token pass or K head calls and a (K + 1)-token pass)."""
     n = run.lengths - 1  # tokens after each request's first (from its prefill)
     if method == "AR":
-        each, round_s = n.astype(float), cost["step"]
+        each, passes_s = n.astype(float), cost["step"]
         batch_rounds = lambda rows: float(max(n[rows]))
     else:
         p = analysis.tokens_per_round(np.asarray(run.stats.row_hist).sum(0))
         each = np.array([analysis.expected_batch_rounds([p], m) for m in n])
-        round_s = k * cost["head"] + cost["verify"]
+        passes_s = k * cost["head"] + cost["verify"]
         batch_rounds = lambda rows: analysis.expected_batch_rounds([p] * len(rows), n[rows])
+    round_s = passes_s if round_s is None else round_s
     groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
     if mode == "refill":
         rounds = analysis.refill_schedule(each, b)[0]
@@ -146,6 +153,22 @@ def predicted_seconds(method: str, mode: str, run: Run, b: int, k: int, cost: di
         rounds = sum(batch_rounds(rows) for rows in groups)
         prefill_s = len(groups) * cost["prefill"]
     return rounds, rounds * round_s + prefill_s
+
+
+def loop_round(target, prompts, spec, b: int, drafter, dparams) -> float:
+    """Seconds of one round of the speculative loop itself on the first b prompts (every step a round takes, not
+    only its model passes): the loop with adaptive K over this K alone, timed by `speculative.calibrate` (rounds
+    from the start of the job less a call running none)."""
+    from specjax.decoding import AdaptiveK
+    from specjax.decoding.jobs import prepare_speculative
+    from specjax.decoding.speculative import calibrate
+
+    cfg, graphdef, params = target
+    if jax.default_backend() == "cpu":  # as compile_decode runs it
+        graphdef, params = in_out_layout(graphdef, params)
+    spec = dataclasses.replace(spec, adaptive_k=AdaptiveK((drafter.shape.depth,), prior=0.5))
+    tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts[:b], spec, max(map(len, prompts)))
+    return calibrate(cfg, graphdef, params, drafter, dparams, tokens, lengths, spec).adaptive_k.costs[0]
 
 
 def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> list[dict]:
@@ -180,6 +203,7 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         "eagle3": prepare_speculative(target[0], drafter, prompts, spec, width)[2].cache_size,
     }
     cost = round_costs(settings, target, loaded, b, width, caches)
+    cost["loop_round"] = loop_round(target, prompts, spec, b, drafter, dparams)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():
@@ -194,11 +218,17 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         row |= dict(
             latency_p50_s=float(np.median(latency)), latency_p90_s=float(np.percentile(latency, 90))
         )
-        rounds, predicted_s = (np.nan, np.nan)
+        rounds, predicted_s, loop_s, over = (np.nan,) * 4
         if method != "policy":
             rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost)
+        if method == "eagle3":  # priced at the loop's own round
+            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, cost["loop_round"])[1]
+            over = cost["loop_round"] / (settings.k * cost["head"] + cost["verify"])
         row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
-        row |= dict(measured_over_predicted=predicted_s / seconds, identical=bool(same))
+        row |= dict(
+            measured_over_predicted=predicted_s / seconds, measured_over_loop_predicted=loop_s / seconds
+        )
+        row |= dict(loop_round_over_passes=over, identical=bool(same))
         hist = [] if run.stats is None else np.asarray(run.stats.k_hist).tolist()  # row-rounds by K
         row["rounds_by_k"] = " ".join(f"K={k}:{c}" for k, c in enumerate(hist) if c) or "-"
         rows.append(row)
@@ -225,7 +255,9 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         f"EAGLE-3's chain K={settings.k} and the policy (adaptive K per round), batch after batch and refilled; "
         f"medians of {settings.repeats} runs in turns; latency: the time of the round that made a request's last "
         "token; predicted: rounds from the run's acceptance (specjax.analysis) x the round's cost measured at that "
-        "batch, plus the prefills; measured_over_predicted = predicted time / measured time",
+        "batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a round priced "
+        "at the speculative loop's own round at that batch (timed from the start of the first batch's job), "
+        "loop_round_over_passes = that round / its passes",
     )
     return rows
 

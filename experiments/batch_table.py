@@ -29,7 +29,6 @@ from absl import flags, logging
 
 from experiments import costs, harness
 from specjax import analysis, cli, expand
-from specjax.models.llama import in_out_layout
 from specjax.sampling import Sampler
 
 
@@ -108,26 +107,39 @@ def refilled(target, prompts, spec, slots: int, drafter, dparams):
 BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
 
 
-def round_costs(settings: Settings, target, loaded, b: int, width: int, caches: dict) -> dict:
-    """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of `width` tokens
-    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`), each with the cache its job
-    has (`caches`: AR's and the speculative job's slots; attention reads the whole static cache)."""
+def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, drafter, dparams) -> dict:
+    """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of the prompts' width
+    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`), each with the static cache its
+    job has (attention reads the whole cache); and `loop_round`, one round of the speculative loop itself on the
+    first b prompts (every step a round takes, not only its passes): the loop with adaptive K over this K alone,
+    timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
     from experiments.bench_memory_bound import head_call
+    from specjax.decoding import AdaptiveK
+    from specjax.decoding.jobs import prepare, prepare_speculative
+    from specjax.decoding.speculative import calibrate
 
     cfg, graphdef, params = target
-    in_out, calls = costs.on_cpu_in_out(graphdef, params), settings.calls
+    width, k, calls = max(map(len, prompts)), settings.k, settings.calls
+    ar_cache = prepare(cfg, prompts, spec, width)[2].cache_size  # as batch after batch pads the jobs
+    one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
+    tokens, lengths, one_k = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
     passes = {  # name: (rows, tokens, cache)
-        "step": (b, 1, caches["AR"]),
-        "verify": (b, settings.k + 1, caches["eagle3"]),
-        "prefill": (b, width, caches["AR"]),
-        "prefill_1": (1, width, caches["AR"]),
+        "step": (b, 1, ar_cache),
+        "verify": (b, k + 1, one_k.cache_size),
+        "prefill": (b, width, ar_cache),
+        "prefill_1": (1, width, ar_cache),
     }
-    fns = {}
+    in_out, fns = costs.on_cpu_in_out(graphdef, params), {}
     for name, (rows, t, size) in passes.items():
         g, p = costs.as_decoded(rows * t, (graphdef, params), in_out)
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
-    fns["head"] = head_call(loaded, "eagle3", target, b, calls, caches["eagle3"])
-    return {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
+    fns["head"] = head_call(loaded, "eagle3", target, b, calls, one_k.cache_size)
+    cost = {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
+    g, p = costs.as_decoded(
+        b * (k + 1), (graphdef, params), in_out
+    )  # as compile_decode runs a drafter's job
+    cost["loop_round"] = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, one_k).adaptive_k.costs[0]
+    return cost
 
 
 def predicted_seconds(
@@ -155,27 +167,10 @@ def predicted_seconds(
     return rounds, rounds * round_s + prefill_s
 
 
-def loop_round(target, prompts, spec, b: int, drafter, dparams) -> float:
-    """Seconds of one round of the speculative loop itself on the first b prompts (every step a round takes, not
-    only its model passes): the loop with adaptive K over this K alone, timed by `speculative.calibrate` (rounds
-    from the start of the job less a call running none)."""
-    from specjax.decoding import AdaptiveK
-    from specjax.decoding.jobs import prepare_speculative
-    from specjax.decoding.speculative import calibrate
-
-    cfg, graphdef, params = target
-    if jax.default_backend() == "cpu":  # as compile_decode runs it
-        graphdef, params = in_out_layout(graphdef, params)
-    spec = dataclasses.replace(spec, adaptive_k=AdaptiveK((drafter.shape.depth,), prior=0.5))
-    tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts[:b], spec, max(map(len, prompts)))
-    return calibrate(cfg, graphdef, params, drafter, dparams, tokens, lengths, spec).adaptive_k.costs[0]
-
-
 def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> list[dict]:
     """Every method and mode at batch b (a row ends at `stop`), timed in turns."""
     from experiments.bench_memory_bound import make_drafter
     from specjax.decoding import AdaptiveK, GenerateSpec
-    from specjax.decoding.jobs import prepare, prepare_speculative
 
     spec = GenerateSpec(settings.max_new_tokens, Sampler(), eos_id=stop)
     drafter, dparams = make_drafter("eagle3", target, None, loaded, settings.k, None, Sampler())
@@ -197,13 +192,7 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
 
     times = harness.interleaved_times({key: recorded(key) for key in fns}, settings.repeats, settle=False)
     jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
-    width = max(map(len, prompts))
-    caches = {  # each job's static cache, as batch after batch pads it
-        "AR": prepare(target[0], prompts, spec, width)[2].cache_size,
-        "eagle3": prepare_speculative(target[0], drafter, prompts, spec, width)[2].cache_size,
-    }
-    cost = round_costs(settings, target, loaded, b, width, caches)
-    cost["loop_round"] = loop_round(target, prompts, spec, b, drafter, dparams)
+    cost = round_costs(settings, target, loaded, prompts, spec, b, drafter, dparams)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():

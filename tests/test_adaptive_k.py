@@ -227,7 +227,8 @@ def test_a_batch_waits_for_its_slowest_row():
     row with 32 tokens left (10.96 rounds, 30.7 AR rounds' time, exact batch model) but not for two rows (33.4 > 32:
     the batch waits for its slower row), so K = 0 from batch 2 on, as the exact model says; with a long queue
     behind the rows, K = 4 again."""
-    pick = jax.jit(AdaptiveK((0, 4), (1.0, 2.8), prior=0.75).pick)
+    adaptive = AdaptiveK((0, 4), (1.0, 2.8), prior=0.75)
+    pick = jax.jit(lambda counts, left: adaptive.pick(counts, left, adaptive.measured()))
     counts = jnp.zeros((2, 4))
     assert [int(pick(counts, jnp.full(b, 32))) for b in (1, 2, 4, 16)] == [1, 0, 0, 0]
     assert int(pick(counts, jnp.array([32, 0, 0, 0]))) == 1  # rows that are done do not count
@@ -273,7 +274,9 @@ def test_a_round_may_draft_fewer_tokens_than_the_round_before_accepted():
     """No floor: after a row accepted 5 of 8, costs favouring K = 1 choose K = 1 (EAGLE re-reads K_max + 1)."""
     adaptive = AdaptiveK((1, 2, 4, 8), (1.0, 10.0, 10.0, 10.0), prior=0.6)
     left = jnp.array([40, 40])
-    estimate = adaptive.observe(adaptive.zeros(left), 8, jnp.array([5, 8]), jnp.array([True, True]), left)
+    estimate = adaptive.observe(
+        adaptive.zeros(left, adaptive.measured()), 8, jnp.array([5, 8]), jnp.array([True, True]), left
+    )
     assert int(adaptive.choose(estimate)) == 0
 
 

@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 from conftest import TINY
 from helpers import (
-    N_SAMPLES,
-    SMALL,
     TARGET,
-    first_three,
     greedy_case,
-    peaked,
-    run_patched,
-    two_sample_pvalue,
 )
 from tolerance import LAYER_DEPTH, assert_close
 
 from specjax import heads
-from specjax.decoding import GenerateSpec, generate, speculative_generate
+from specjax.decoding import GenerateSpec, speculative_generate
 from specjax.drafters.eagle import Eagle, eagle_apply, init_eagle, layer_config
 from specjax.drafters.medusa import Medusa
 from specjax.drafting.protocol import target_io
@@ -108,33 +102,6 @@ def test_eagle_state_matches_recomputation():
         feats_BDH = jnp.take_along_axis(feats, (start[:, None] + jnp.arange(k + 1))[:, :, None], axis=1)
         n_tokens = n_tokens + accepted + 1
         state = commit(dparams, state, accepted, n_tokens, None, feats_BDH)
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    graphdef, params = peaked(SMALL, 0)
-    return graphdef, params, fresh_heads(SMALL, params)
-
-
-# chains: verify_exactness checks every drafter's chain with its control (test_verification)
-@pytest.mark.parametrize("name", ["medusa tree", "eagle tree", "eagle dynamic"])
-def test_sampling_is_distributed_as_ar(small_pair, name, monkeypatch):
-    graphdef, params, fresh = small_pair
-    sampler = Sampler(1.0)
-    drafter, dparams = {n: (d, p) for n, d, p in head_drafters(SMALL, params, sampler, fresh)}[name]
-    prompts, spec = [[1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
-    ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
-    gen = speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2)
-    assert 0.05 < summarize(gen.stats)["draft_efficiency"] < 0.95  # the test exercises rejections
-    assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
-    if name == "eagle tree":  # negative control: resampling from p instead of the residual is caught
-        broken = run_patched(
-            monkeypatch,
-            "specjax.acceptance.rejection.residual",
-            lambda p, q: p,
-            lambda: speculative_generate(SMALL, graphdef, params, drafter, dparams, prompts, spec, seed=2),
-        )
-        assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 
 def test_heads_for_another_target_are_refused():

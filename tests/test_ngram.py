@@ -12,21 +12,13 @@ import numpy as np
 import pytest
 from conftest import STORIES_PROMPT, TINY
 from helpers import (
-    N_SAMPLES,
     RAGGED,
-    SMALL,
     TARGET,
-    first_three,
     greedy_case,
-    peaked,
-    run_patched,
-    two_sample_pvalue,
 )
 
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.ngram import NGram, NGramError, branch_tree, ngram_candidates
-from specjax.metrics import summarize
-from specjax.sampling import Sampler
 
 REPO = Path(__file__).parents[1]
 
@@ -142,29 +134,6 @@ def test_greedy_with_eos_matches_ar():
     gen = speculative_generate(TINY, graphdef, params, NGram(4), None, RAGGED, spec)
     np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
-
-
-@pytest.fixture(scope="module")
-def small():
-    return peaked(SMALL, 0)
-
-
-# the chain is the registered example, which test_verification checks with verify_exactness
-@pytest.mark.parametrize("drafter", [NGram(2, branches=2)], ids=["tree"])
-def test_sampling_is_distributed_as_ar(small, drafter, monkeypatch):
-    graphdef, params = small
-    sampler = Sampler(1.0)
-    # "1 3" recurs: the suffix "3" (and, after a sampled 1, "3 1") has matches to draft from
-    prompts, spec = [[1, 3, 5, 1, 3]] * N_SAMPLES, GenerateSpec(3, sampler, eos_id=None)
-    ar = first_three(generate(SMALL, graphdef, params, prompts, spec, seed=1).tokens)
-    run = lambda: speculative_generate(SMALL, graphdef, params, drafter, None, prompts, spec, seed=2)
-    gen = run()
-    assert 0.1 < summarize(gen.stats)["draft_efficiency"] < 0.9  # the test exercises rejections
-    assert two_sample_pvalue(ar, first_three(gen.tokens)) > 1e-3
-
-    # Negative control: resampling from p instead of the residual must be caught by the same test.
-    broken = run_patched(monkeypatch, "specjax.acceptance.rejection.residual", lambda p, q: p, run)
-    assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from conftest import STORIES_PROMPT, TINY
 from helpers import RAGGED, TARGET
 
-from specjax import datastore, files, verify_exactness
+from specjax import datastore, files
 from specjax.datastore import Datastore, DatastoreError, open_datastore, suffix_array
 from specjax.decoding import GenerateSpec, generate, speculative_generate
 from specjax.drafters.retrieval import Retrieval, RetrievalError, RetrievalSettings, retrieval_candidates
@@ -187,21 +187,6 @@ def test_greedy_equals_ar_stories(which, stories, stories_case):
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     tau_rows = np.asarray(gen.stats.emitted) / np.asarray(gen.stats.row_rounds)
     assert tau_rows[0] > 1.5, tau_rows  # the first prompt's continuation is in the datastore
-
-
-# the chain (branches=1) is the registered example, which test_verification checks with verify_exactness
-@pytest.mark.parametrize("branches", [2])
-def test_sampling_is_exact_and_the_control_is_caught(branches, monkeypatch):
-    store = Datastore.from_tokens(
-        np.random.default_rng(1).integers(0, verify_exactness.TINY.vocab_size, 400)
-    )
-    drafter = lambda name, target, k, tree, sampler: (
-        Retrieval(k, branches=branches),
-        Retrieval.params(store),
-    )
-    monkeypatch.setattr(verify_exactness, "tiny_drafter", drafter)
-    report = verify_exactness.verify("retrieval", ("tokenwise",), greedy=False)
-    assert report.rules[0].verdict(report.alpha) == "PASS", report.format()
 
 
 # --- the datastore's files and provenance ------------------------------------------------------------------

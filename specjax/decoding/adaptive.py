@@ -20,11 +20,23 @@ from specjax.errors import DrafterError
 
 
 @struct.dataclass
+class Measured:
+    """Adaptive K's measured inputs, data of the compiled loop (not constants): one program both times the rounds
+    (`speculative.calibrate`) and decodes with what it measured."""
+
+    costs: jax.Array  # [len(ks)] float32, each K's round cost
+    prior: jax.Array  # [] float32
+    forced: jax.Array  # [] int32: every round drafts ks[forced] (calibrating); -1: the policy chooses
+    rounds: jax.Array  # [] int32: forced, the loop runs this many rounds (ended rows idle)
+
+
+@struct.dataclass
 class Estimate:
     """What adaptive K knows on device after the rounds so far."""
 
     counts_2K: jax.Array  # EMAs of row-rounds (per row) that accepted / proposed draft position i < K_max
     choice: jax.Array  # [] index into `ks` of the next round's K
+    measured: Measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,25 +106,37 @@ class AdaptiveK:
     def describe(self) -> str:
         return f"adaptive K in {{{', '.join(map(str, self.ks))}}}"
 
-    def zeros(self, remaining_B) -> Estimate:
+    @property
+    def unmeasured(self) -> AdaptiveK:
+        """This policy without its costs and prior: the compiled loop's static part (`measured` holds them)."""
+        return dataclasses.replace(self, costs=None, prior=None)
+
+    def measured(self, forced: int = -1, rounds: int = 0) -> Measured:
+        """The costs and prior as data (`forced` >= 0: every round drafts ks[forced], for `rounds` rounds; the
+        costs and prior may then be unknown)."""
+        if forced < 0 and (self.costs is None or self.prior is None):
+            raise DrafterError("adaptive K has no round costs or prior yet: calibrate it first")
+        costs = jnp.ones(len(self.ks)) if self.costs is None else jnp.asarray(self.costs)
+        prior = 0.5 if self.prior is None else self.prior
+        return Measured(costs.astype(jnp.float32), jnp.float32(prior), jnp.int32(forced), jnp.int32(rounds))
+
+    def zeros(self, remaining_B, measured: Measured) -> Estimate:
         """The estimate before any round, with `remaining_B` tokens to emit in each row (0: done)."""
         counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
-        return Estimate(counts_2K, self.pick(counts_2K, remaining_B))
+        return Estimate(counts_2K, self.pick(counts_2K, remaining_B, measured), measured)
 
-    def alpha(self, estimate_2K):
+    def alpha(self, estimate_2K, prior):
         """[K_max] the per-position acceptance estimate: each position's counts plus `prior_weight` pseudo
         row-rounds at the rate of all positions pooled (itself shrunk towards `prior`)."""
         accepted, proposed = estimate_2K
         w = self.prior_weight
-        pooled = (accepted.sum() + w * self.prior) / (proposed.sum() + w)
+        pooled = (accepted.sum() + w * prior) / (proposed.sum() + w)
         return (accepted + w * pooled) / (proposed + w)
 
-    def pick(self, counts_2K, remaining_B):
-        """[] index into `ks` of the best K for rows with `remaining_B` tokens left (the smaller on ties; 0
-        without costs or prior)."""
-        if self.costs is None or self.prior is None:  # calibrating: the caller chooses
-            return jnp.int32(0)
-        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K))
+    def pick(self, counts_2K, remaining_B, measured: Measured):
+        """[] index into `ks` of the best K for rows with `remaining_B` tokens left (the smaller on ties), or the
+        forced one."""
+        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K, measured.prior))
         drafting = jnp.asarray([k - 1 for k in self.ks if k > 0])
         # every K at once: a round runs this, and a few batched operations cost less than a few per K
         rounds = jax.vmap(expected_rounds_to_finish, (0, 0, None))(
@@ -120,7 +144,8 @@ class AdaptiveK:
         )
         if self.ks[0] == 0:  # K = 0: a token a round
             rounds = jnp.concatenate([jnp.max(remaining_B).astype(jnp.float32)[None], rounds])
-        return jnp.argmin(rounds * jnp.asarray(self.costs)).astype(jnp.int32)
+        best = jnp.argmin(rounds * measured.costs).astype(jnp.int32)
+        return jnp.where(measured.forced >= 0, measured.forced, best)
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""
@@ -135,4 +160,4 @@ class AdaptiveK:
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        return Estimate(counts_2K, self.pick(counts_2K, remaining_B))
+        return Estimate(counts_2K, self.pick(counts_2K, remaining_B, estimate.measured), estimate.measured)

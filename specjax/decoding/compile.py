@@ -10,7 +10,7 @@ import jax
 from specjax import sharding
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
-from specjax.decoding.speculative import calibrate, speculative_compiled
+from specjax.decoding.speculative import measure, speculative_compiled, split
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import in_out_layout
 
@@ -55,17 +55,25 @@ def compile_decode(
         return tokens, lengths, full_spec
 
     tokens, lengths, full_spec = batch(prompts)
+    adaptive = full_spec.adaptive_k
+    if (
+        adaptive is not None
+    ):  # its costs and prior are data: first a program that times rounds at a forced K
+        full_spec, dynamic["measured"] = split(full_spec, forced=0)
     start = time.perf_counter()
     with on_mesh:
-        # adaptive K without costs: time a few rounds per K (counted as compile time)
-        if drafter is not None:
-            full_spec = calibrate(
-                cfg, graphdef, params, drafter, drafter_params, tokens, lengths, full_spec
-            )
         lowered = fn.lower(
             **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
         )
         compiled = lowered.compile()
+        if (
+            adaptive is not None
+        ):  # adaptive K without costs: a few timed rounds per K (counted as compile time)
+            rounds = lambda m: compiled(
+                **dynamic | dict(measured=m), tokens_BP=tokens, lengths_B=lengths, key=job_key(0)
+            )
+            adaptive = measure(adaptive, lambda m: rounds(m).stats)
+            dynamic["measured"] = adaptive.measured()
     compile_s = time.perf_counter() - start
 
     def run(prompts: list[list[int]], seed: int = 0, drafter_params=None):

@@ -247,7 +247,8 @@ def _speculative_serve(
     queued = lambda next_: jnp.sum(jnp.where(jnp.arange(n) >= next_, budget_N, 0)) / slots
     estimate = jnp.zeros(())
     if spec.adaptive_k is not None:
-        estimate = spec.adaptive_k.zeros(jnp.where(done, 0, budget_N[request] - 1) + queued(slots))
+        left = jnp.where(done, 0, budget_N[request] - 1) + queued(slots)
+        estimate = spec.adaptive_k.zeros(left, spec.adaptive_k.measured())
     loop = LoopState(
         seq_BS=seq,
         n_tokens_B=lengths + 1,

@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from specjax import precision
+from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.drafting.layouts import Draft, Verification
@@ -253,9 +254,9 @@ def adaptive_rounds(
     return jax.lax.while_loop(go_on, each_k, loop)
 
 
-def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec, measured=None):
     """Prefill of target and drafter and the first token: (LoopState, each row's token limit [B], each round's
-    keys [max_new_tokens, 2])."""
+    keys [max_new_tokens, 2]). `measured`: adaptive K's costs and prior (`AdaptiveK.measured`)."""
     batch, width = tokens_BP.shape
     n_new = spec.max_new_tokens
     taps = feature_taps(drafter)
@@ -275,20 +276,26 @@ def start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, 
         stats=SpecStats.zeros(batch, drafter.shape.depth),
         estimate=jnp.zeros(())
         if spec.adaptive_k is None
-        else spec.adaptive_k.zeros(jnp.where(done, 0, n_new - 1)),
+        else spec.adaptive_k.zeros(jnp.where(done, 0, n_new - 1), measured),
     )
     return loop, lengths_B + n_new, round_keys
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
-def speculative_compiled(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+def speculative_compiled(
+    cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec, measured=None
+):
+    """The compiled decode loop. With adaptive K, `spec` holds its static part and `measured` its costs and prior
+    (`split`)."""
     with precision.scope(spec.matmul_precision, cfg.dtype):
-        return _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec)
+        return _speculative(
+            cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec, measured
+        )
 
 
-def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
+def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec, measured):
     loop, limit, round_keys = start(
-        cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec
+        cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec, measured
     )
     go_on = lambda lp: ~jnp.all(lp.done_B)
     if spec.adaptive_k is None:
@@ -296,10 +303,12 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
             graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys
         )
         loop = jax.lax.while_loop(go_on, one, loop)
-    else:
+    else:  # calibrating (a forced K): the given number of rounds, ended rows idle
+        timed = lambda lp: lp.stats.rounds < measured.rounds
+        until = lambda lp: jnp.where(measured.forced >= 0, timed(lp), go_on(lp))
         choose = lambda lp: spec.adaptive_k.choose(lp.estimate)
         args = (graphdef, params, drafter, drafter_params, spec, loop, limit, round_keys)
-        loop = adaptive_rounds(*args, go_on, choose)
+        loop = adaptive_rounds(*args, until, choose)
     n_new = spec.max_new_tokens
     out = jnp.take_along_axis(loop.seq_BS, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens_B - lengths_B
@@ -307,37 +316,38 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
     return SpecGeneration(out, n_out, loop.stats)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "drafter", "spec"))
-def _start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec):
-    with precision.scope(spec.matmul_precision, cfg.dtype):
-        return start(cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, key, spec)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "spec"))
-def _timed_rounds(graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys, index, rounds):
-    go_on = lambda lp: lp.stats.rounds < rounds
-    args = (graphdef, params, drafter, drafter_params, spec, loop, limit_B, keys)
-    with precision.scope(spec.matmul_precision, precision.params_dtype(params)):
-        return adaptive_rounds(*args, go_on, lambda lp: index).stats
+def split(spec: GenerateSpec, forced: int = -1, rounds: int = 0):
+    """(the compiled loop's static spec, adaptive K's measured inputs as data or None; see
+    `AdaptiveK.measured`): every job of one adaptive K shares one program, whatever its costs."""
+    if spec.adaptive_k is None:
+        return spec, None
+    adaptive = spec.adaptive_k
+    return dataclasses.replace(spec, adaptive_k=adaptive.unmeasured), adaptive.measured(forced, rounds)
 
 
 def calibrate(
     cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, spec, rounds=32, repeats=9
 ):
-    """`spec` with adaptive K's round costs and prior measured, where not given. Costs: per K, the median over
-    `repeats` of the time of `rounds` rounds from the start of this job less the time of a call running none (the
-    call's overhead), divided by `rounds`. Prior: the acceptance rate of all draft positions over `rounds` rounds
-    at the largest K (kept within [0.05, 0.95]). One compiled function, the K and the number of rounds its
-    arguments."""
-    adaptive = spec.adaptive_k
-    if adaptive is None or (adaptive.costs is not None and adaptive.prior is not None):
+    """`spec` with adaptive K's round costs and prior measured (`measure`) where not given, on the program that
+    decodes the job (`speculative_compiled`)."""
+    if spec.adaptive_k is None:
         return spec
-    loop, limit, keys = _start(
-        cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, job_key(0), spec
-    )
-    args = (graphdef, params, drafter, drafter_params, spec, loop, limit, keys)
-    run = lambda index, n: jax.block_until_ready(_timed_rounds(*args, jnp.int32(index), jnp.int32(n)))
-    stats = run(len(adaptive.ks) - 1, rounds)  # compiles
+    job = dataclasses.replace(spec, adaptive_k=spec.adaptive_k.unmeasured)
+    args = (cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, job_key(0), job)
+    run = lambda measured: speculative_compiled(*args, measured).stats
+    return dataclasses.replace(spec, adaptive_k=measure(spec.adaptive_k, run, rounds, repeats))
+
+
+def measure(adaptive: AdaptiveK, run, rounds=32, repeats=9) -> AdaptiveK:
+    """`adaptive` with its round costs and prior measured, where not given, by `run(measured)` (the job's compiled
+    loop; its SpecStats). Costs: per K, the median over `repeats` of the time of a call running `rounds` rounds
+    at that K less that of a call running none (the prefill and the call's overhead), divided by `rounds`.
+    Prior: the acceptance rate of all draft positions over `rounds` rounds at the largest K (kept within
+    [0.05, 0.95])."""
+    if adaptive.costs is not None and adaptive.prior is not None:
+        return adaptive
+    timed = lambda index, n: jax.block_until_ready(run(adaptive.measured(index, n)))
+    stats = timed(len(adaptive.ks) - 1, rounds)  # compiles, where not compiled yet
     if adaptive.prior is None:
         rate = summarize(stats)["acceptance_rate"]
         adaptive = dataclasses.replace(adaptive, prior=min(max(rate, 0.05), 0.95))
@@ -345,7 +355,7 @@ def calibrate(
 
         def seconds(index: int, n: int) -> float:
             begin = time.perf_counter()
-            run(index, n)
+            timed(index, n)
             return time.perf_counter() - begin
 
         per_round = [[] for _ in adaptive.ks]
@@ -354,7 +364,7 @@ def calibrate(
                 t.append((seconds(i, rounds) - seconds(i, 0)) / rounds)
         costs = tuple(max(float(np.median(t)), 1e-9) for t in per_round)
         adaptive = dataclasses.replace(adaptive, costs=costs)
-    return dataclasses.replace(spec, adaptive_k=adaptive)
+    return adaptive
 
 
 def speculative_generate(
@@ -371,6 +381,5 @@ def speculative_generate(
     tokens) for a lossless acceptance rule. Adaptive K without costs or prior first runs a few rounds per K."""
     tokens, lengths, spec = prepare_speculative(cfg, drafter, prompts, spec)
     spec = calibrate(cfg, graphdef, params, drafter, drafter_params, tokens, lengths, spec)
-    return speculative_compiled(
-        cfg, graphdef, params, drafter, drafter_params, tokens, lengths, job_key(seed), spec
-    )
+    args = (cfg, graphdef, params, drafter, drafter_params, tokens, lengths, job_key(seed))
+    return speculative_compiled(*args, *split(spec))

@@ -56,9 +56,7 @@ def compile_decode(
 
     tokens, lengths, full_spec = batch(prompts)
     adaptive = full_spec.adaptive_k
-    if (
-        adaptive is not None
-    ):  # its costs and prior are data: first a program that times rounds at a forced K
+    if adaptive is not None:  # its costs and prior are data: lowered with a forced K's, measured below
         full_spec, dynamic["measured"] = split(full_spec, forced=0)
     start = time.perf_counter()
     with on_mesh:
@@ -66,9 +64,7 @@ def compile_decode(
             **static, **dynamic, tokens_BP=tokens, lengths_B=lengths, key=job_key(0), spec=full_spec
         )
         compiled = lowered.compile()
-        if (
-            adaptive is not None
-        ):  # adaptive K without costs: a few timed rounds per K (counted as compile time)
+        if adaptive is not None:  # where costs or prior are not given: timed rounds (compile time)
             rounds = lambda m: compiled(
                 **dynamic | dict(measured=m), tokens_BP=tokens, lengths_B=lengths, key=job_key(0)
             )

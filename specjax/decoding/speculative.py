@@ -303,7 +303,7 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
             graphdef, params, drafter, drafter_params, spec, lp, limit, round_keys
         )
         loop = jax.lax.while_loop(go_on, one, loop)
-    else:  # calibrating (a forced K): the given number of rounds, ended rows idle
+    else:  # adaptive K; a forced K (calibrating) runs the given number of rounds, ended rows idle
         timed = lambda lp: lp.stats.rounds < measured.rounds
         until = lambda lp: jnp.where(measured.forced >= 0, timed(lp), go_on(lp))
         choose = lambda lp: spec.adaptive_k.choose(lp.estimate)

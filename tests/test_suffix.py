@@ -4,7 +4,6 @@ learns from finished outputs and keeps its provenance on disk, and greedy equali
 
 import json
 from fractions import Fraction
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -177,18 +176,22 @@ def test_runs_learn_across_batches_and_keep_the_store(stories, tmp_path):
     assert again["store"].tolist() == saved.tolist()
 
 
-def test_sampled_frequency_tree_is_distributed_as_ar_and_the_control_is_caught():
-    """The tree's drafts come from a corpus of stories (the store holds its newest 32,768 tokens: the lookup's
-    cost grows with the store; a store of 16,384 left too few drafts accepted for the control to show); a
-    two-sample chi-square test against AR samples on stories260K."""
-    from specjax import verify_exactness
+def test_a_corpus_fills_the_store_at_start_and_a_full_store_keeps_its_newest_tokens(stories, tmp_path):
+    """`--suffix_corpus`: each line a document, tokenized, ended by -1 in the store; a store smaller than the
+    corpus keeps its newest tokens. (The frequency tree's drafts are point masses on a tree of parents, whose
+    sampling every dynamic tree's exactness test checks; its greedy decoding is checked above.)"""
+    from specjax.drafting import registry
 
-    corpus = str(Path(__file__).resolve().parents[1] / "experiments/data/stories.txt")
-    settings = {"nodes": 6, "suffix_corpus": corpus, "store_tokens": 32_768}
-    report = verify_exactness.verify(
-        "suffix", ("tokenwise",), model="stories260K", k=4, settings=settings, greedy=False, samples=1000
+    corpus = tmp_path / "stories.txt"
+    corpus.write_text("Once upon a time\n\nLily went to the park\n")
+    docs = [stories.tokenizer.encode(t) for t in ("Once upon a time", "Lily went to the park")]
+    held = docs[0] + [-1] + docs[1] + [-1]
+    build = lambda n: registry.get("suffix").build(
+        stories, suffix.SuffixSettings(nodes=6, suffix_corpus=str(corpus), store_tokens=n), 4, None, None
     )
-    assert [r.verdict(report.alpha) for r in report.rules] == ["PASS"], report.format()
+    drafter, params = build(len(held) + 3)
+    assert params["store"].tolist() == [-1] * 3 + held and drafter.nodes == 6
+    assert build(len(held) - 2)[1]["store"].tolist() == held[2:]
 
 
 def test_reference_replay_finds_the_longest_path_the_output_continues():

@@ -135,9 +135,8 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
     fns["head"] = head_call(loaded, "eagle3", target, b, calls, one_k.cache_size)
     cost = {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
-    g, p = costs.as_decoded(
-        b * (k + 1), (graphdef, params), in_out
-    )  # as compile_decode runs a drafter's job
+    # the loop's target as compile_decode runs a drafter's job
+    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), in_out)
     cost["loop_round"] = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, one_k).adaptive_k.costs[0]
     return cost
 

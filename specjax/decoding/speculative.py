@@ -332,7 +332,7 @@ def calibrate(
     decodes the job (`speculative_compiled`)."""
     if spec.adaptive_k is None:
         return spec
-    job = dataclasses.replace(spec, adaptive_k=spec.adaptive_k.unmeasured)
+    job = split(spec, forced=0)[0]
     args = (cfg, graphdef, params, drafter, drafter_params, tokens_BP, lengths_B, job_key(0), job)
     run = lambda measured: speculative_compiled(*args, measured).stats
     return dataclasses.replace(spec, adaptive_k=measure(spec.adaptive_k, run, rounds, repeats))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging as std_logging
 import math
 import os
@@ -162,10 +163,20 @@ def run(
     probes = std_logging.getLogger("jax._src.xla_bridge")
     if not_a_backend_probe not in probes.filters:
         probes.addFilter(not_a_backend_probe)
+    collect_for_tracing()
     app.run(
         guarded(main, errors, status, positional),
         flags_parser=functools.partial(parse_flags, status=status, check=check),
     )
+
+
+def collect_for_tracing() -> None:
+    """Garbage collection set for a program that traces and compiles: what is alive now (the imports) is set
+    aside (`gc.freeze`) and young objects are collected less often. Tracing makes many short-lived cycles; with
+    Python's defaults a decoding command spent about 15% of its CPU collecting them."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 50)
 
 
 def not_a_backend_probe(record: std_logging.LogRecord) -> bool:

@@ -1,7 +1,6 @@
 """Shared fixtures: the real stories260K model (loaded once per session) and tiny random configs; the compile
 flags and garbage-collector settings of the run."""
 
-import gc
 import os
 from pathlib import Path
 
@@ -42,6 +41,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 
+from specjax import cli  # noqa: E402
 from specjax.models.config import LlamaConfig  # noqa: E402
 from specjax.models.loading import load_model, resolve  # noqa: E402
 
@@ -80,11 +80,9 @@ def pytest_collection_modifyitems(items):
 
 def pytest_collection_finish(session):
     """Tracing makes many short-lived cycles and a worker's heap grows large: what the imports and the collection
-    made is set aside from garbage collection (`gc.freeze`), and young objects are collected less often (a module
-    of tree tests spent 3.3 s of 100 s of CPU in 2,461 collections, 1.3 s in 72 after)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 50)
+    made is set aside from garbage collection, as in every command (a module of tree tests spent 3.3 s of 100 s of
+    CPU in 2,461 collections, 1.3 s in 72 after)."""
+    cli.collect_for_tracing()
 
 
 def pytest_runtest_logreport(report):

@@ -2,17 +2,20 @@
 synthetic cost, real distribution; `experiments.bench_memory_bound`).
 
 Story openings of 2-23 words, each continued to the end of its sentence (a stop at '.', at most 64 tokens: mixed
-output lengths), greedy, at each batch size: AR, EAGLE-3's chain of K and the policy (each round's K chosen on device
-among 0 (an AR round), 1, 2, 4 and K from the round costs measured at that batch before the loop: `AdaptiveK`), each
-run batch after batch and with slots refilled inside the compiled loop (`specjax.decoding.refill`). Columns: tokens/s
-over the whole set and the speedup over AR run the same way (medians of runs timed in turns), loop rounds, each
-request's latency (the time of the round that made its last token, at the run's mean time per round; p50 and p90),
-and the prediction of `specjax.analysis`: rounds from each request's tokens and the run's pooled acceptance (batch
-after batch, each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the
-costs measured at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache;
-the prefills), against the measured time; and EAGLE-3's rounds priced at the speculative loop's own round at that
-batch (everything a round does besides its passes: acceptance, the commit, the head's state). The policy's rounds
-change K: it has no prediction.
+output lengths), greedy, at each batch size: AR, EAGLE-3's chain of K and the policy (each round's K chosen on
+device among 0 (an AR round), 1, 2, 4 and K from the round costs measured at that batch before the loop:
+`AdaptiveK`), each run batch after batch and with slots refilled inside the compiled loop
+(`specjax.decoding.refill`). Columns: tokens/s over the whole set and the speedup over AR run the same way (medians
+of runs timed in turns), loop rounds, each request's latency (the time of the round that made its last token, at the
+run's mean time per round; p50 and p90), and the prediction of `specjax.analysis`: rounds from each request's tokens
+and its own acceptance (as decoded batch after batch: greedy, the same drafts in both modes; batch after batch,
+each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the costs measured
+at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills),
+against the measured time; and EAGLE-3's rounds priced at the speculative loop's own round at that batch (everything
+a round does besides its passes: acceptance, the commit, the head's state). The policy's rounds change K: it has no
+prediction.
+
+
 
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
@@ -60,6 +63,8 @@ class Run:
     rounds: int
     ends: np.ndarray  # [N] the round that made each request's last token
     stats: object  # speculative runs' SpecStats, pooled (None: AR)
+    # [N, K + 1] each request's rounds by draft tokens accepted (speculative runs batch after batch; else None)
+    request_hist: np.ndarray | None = None
 
 
 def batch_after_batch(target, prompts, spec, slots: int, drafter, dparams):
@@ -72,7 +77,7 @@ def batch_after_batch(target, prompts, spec, slots: int, drafter, dparams):
     run, _ = compile_decode(*target, pad(batches[0]), spec, drafter, dparams, width)
 
     def go(seed: int = 0) -> Run:
-        tokens, lengths, ends, stats, rounds = [], [], [], [], 0
+        tokens, lengths, ends, stats, hists, rounds = [], [], [], [], [], 0
         for batch in batches:
             gen = jax.block_until_ready(run(pad(batch), seed))
             n = len(batch)
@@ -83,8 +88,12 @@ def batch_after_batch(target, prompts, spec, slots: int, drafter, dparams):
             ends.append(rounds + own)
             rounds += int(gen.target_passes if drafter is None else gen.stats.rounds)
             stats.append(None if drafter is None else gen.stats)
-        pooled = None if drafter is None else jax.tree.map(lambda *x: sum(np.asarray(v) for v in x), *stats)
-        return Run(np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), pooled)
+            hists.append(None if drafter is None else np.asarray(gen.stats.row_hist)[:n])
+        if drafter is None:
+            return Run(np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), None)
+        pooled = jax.tree.map(lambda *x: sum(np.asarray(v) for v in x), *stats)
+        out = (np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), pooled)
+        return Run(*out, np.concatenate(hists))
 
     return go
 
@@ -141,20 +150,39 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     return cost
 
 
+def request_distributions(request_hist: np.ndarray) -> list[np.ndarray]:
+    """Each request's distribution of tokens per round (`analysis.tokens_per_round`) from its own rounds; a request
+    that ran none (its prefill's token ended it) gets the pooled one."""
+    pooled = analysis.tokens_per_round(request_hist.sum(0))
+    return [analysis.tokens_per_round(h) if h.sum() else pooled for h in request_hist]
+
+
 def predicted_seconds(
-    method: str, mode: str, run: Run, b: int, k: int, cost: dict, round_s: float | None = None
+    method: str,
+    mode: str,
+    run: Run,
+    b: int,
+    k: int,
+    cost: dict,
+    round_s: float | None = None,
+    request_hist: np.ndarray | None = None,
 ) -> tuple[float, float]:
     """(predicted rounds, predicted seconds) of `run`'s requests decoded by `method` at batch b in `mode`, a round
-    costing `round_s` (None: its passes', a one-token pass or K head calls and a (K + 1)-token pass)."""
+    costing `round_s` (None: its passes', a one-token pass or K head calls and a (K + 1)-token pass), each request's
+    rounds from its own acceptance (`request_hist`, [N, K + 1]; None: the run's pooled acceptance for every request:
+    a batch of requests that differ waits for its slowest more than that predicts)."""
     n = run.lengths - 1  # tokens after each request's first (from its prefill)
     if method == "AR":
         each, passes_s = n.astype(float), cost["step"]
         batch_rounds = lambda rows: float(max(n[rows]))
     else:
-        p = analysis.tokens_per_round(np.asarray(run.stats.row_hist).sum(0))
-        each = np.array([analysis.expected_batch_rounds([p], m) for m in n])
+        hist = (
+            np.asarray(run.stats.row_hist).sum(0, keepdims=True) if request_hist is None else request_hist
+        )
+        p = request_distributions(np.broadcast_to(hist, (len(n), hist.shape[1])))
+        each = np.array([analysis.expected_batch_rounds([p_i], m) for p_i, m in zip(p, n)])
         passes_s = k * cost["head"] + cost["verify"]
-        batch_rounds = lambda rows: analysis.expected_batch_rounds([p] * len(rows), n[rows])
+        batch_rounds = lambda rows: analysis.expected_batch_rounds([p[i] for i in rows], n[rows])
     round_s = passes_s if round_s is None else round_s
     groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
     if mode == "refill":
@@ -207,10 +235,12 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
             latency_p50_s=float(np.median(latency)), latency_p90_s=float(np.percentile(latency, 90))
         )
         rounds, predicted_s, loop_s, over = (np.nan,) * 4
+        # each request's acceptance, from its decoding batch after batch (greedy: the same drafts in both modes)
+        hist = runs[(method, "batch after batch")].request_hist
         if method != "policy":
-            rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost)
+            rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost, None, hist)
         if method == "eagle3":  # priced at the loop's own round
-            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, cost["loop_round"])[1]
+            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, cost["loop_round"], hist)[1]
             over = cost["loop_round"] / (settings.k * cost["head"] + cost["verify"])
         row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
         row |= dict(
@@ -242,9 +272,10 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         f"openings each continued to the end of its sentence (at most {settings.max_new_tokens} tokens), greedy; AR, "
         f"EAGLE-3's chain K={settings.k} and the policy (adaptive K per round), batch after batch and refilled; "
         f"medians of {settings.repeats} runs in turns; latency: the time of the round that made a request's last "
-        "token; predicted: rounds from the run's acceptance (specjax.analysis) x the round's cost measured at that "
-        "batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a round priced "
-        "at the speculative loop's own round at that batch (timed from the start of the first batch's job), "
+        "token; predicted: rounds from each request's own acceptance (specjax.analysis) x the round's cost measured "
+        "at that batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a "
+        "round priced at the speculative loop's own round at that batch (timed from the start of the first batch's "
+        "job), "
         "loop_round_over_passes = that round / its passes",
     )
     return rows

@@ -168,3 +168,25 @@ def test_batch_table_predicts_ar_rounds_exactly_in_both_modes(stories, story_job
         bab.ends.tolist()[:3] == (lengths[:3] - 1).tolist()
     )  # the first batch's rows end with their tokens
     assert refilled.rounds < bab.rounds and refilled.ends.mean() < bab.ends.mean()
+
+
+def test_batch_table_predicts_each_requests_rounds_from_its_own_acceptance():
+    """A batch of a request whose drafts are always accepted (5 tokens a round: 2 rounds for 10 tokens) and one whose
+    drafts never are (10 rounds) ends after exactly 10 rounds; the pooled acceptance (the control) predicts fewer."""
+    from types import SimpleNamespace
+
+    from experiments import batch_table
+
+    hist = np.array([[0, 0, 0, 0, 2], [10, 0, 0, 0, 0]])  # rounds by draft tokens accepted, K = 4
+    run = batch_table.Run(
+        np.zeros((2, 11)), np.array([11, 11]), 10, np.array([2, 10]), SimpleNamespace(row_hist=hist), hist
+    )
+    cost = dict(head=0.0, verify=1.0, prefill=0.0, prefill_1=0.0)
+    own = {
+        mode: batch_table.predicted_seconds("eagle3", mode, run, 2, 4, cost, None, hist)
+        for mode in ("batch after batch", "refill")
+    }
+    assert own["batch after batch"] == (10.0, 10.0) and own["refill"] == (10.0, 10.0)
+    assert batch_table.predicted_seconds("eagle3", "refill", run, 1, 4, cost, None, hist)[0] == 12.0
+    pooled, _ = batch_table.predicted_seconds("eagle3", "batch after batch", run, 2, 4, cost)
+    assert pooled < 9.5

@@ -15,8 +15,6 @@ against the measured time; and EAGLE-3's rounds priced at the speculative loop's
 a round does besides its passes: acceptance, the commit, the head's state). The policy's rounds change K: it has no
 prediction.
 
-
-
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
 
@@ -87,13 +85,14 @@ def batch_after_batch(target, prompts, spec, slots: int, drafter, dparams):
             own = length - 1 if drafter is None else np.asarray(gen.stats.row_rounds)[:n]
             ends.append(rounds + own)
             rounds += int(gen.target_passes if drafter is None else gen.stats.rounds)
-            stats.append(None if drafter is None else gen.stats)
-            hists.append(None if drafter is None else np.asarray(gen.stats.row_hist)[:n])
+            if drafter is not None:
+                stats.append(gen.stats)
+                hists.append(np.asarray(gen.stats.row_hist)[:n])
+        out = (np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends))
         if drafter is None:
-            return Run(np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), None)
+            return Run(*out, None)
         pooled = jax.tree.map(lambda *x: sum(np.asarray(v) for v in x), *stats)
-        out = (np.concatenate(tokens), np.concatenate(lengths), rounds, np.concatenate(ends), pooled)
-        return Run(*out, np.concatenate(hists))
+        return Run(*out, pooled, np.concatenate(hists))
 
     return go
 
@@ -275,8 +274,7 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         "token; predicted: rounds from each request's own acceptance (specjax.analysis) x the round's cost measured "
         "at that batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a "
         "round priced at the speculative loop's own round at that batch (timed from the start of the first batch's "
-        "job), "
-        "loop_round_over_passes = that round / its passes",
+        "job), loop_round_over_passes = that round / its passes",
     )
     return rows
 

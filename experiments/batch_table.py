@@ -175,10 +175,10 @@ def predicted_seconds(
         each, passes_s = n.astype(float), cost["step"]
         batch_rounds = lambda rows: float(max(n[rows]))
     else:
-        hist = (
-            np.asarray(run.stats.row_hist).sum(0, keepdims=True) if request_hist is None else request_hist
-        )
-        p = request_distributions(np.broadcast_to(hist, (len(n), hist.shape[1])))
+        if request_hist is None:
+            p = [analysis.tokens_per_round(np.asarray(run.stats.row_hist).sum(0))] * len(n)
+        else:
+            p = request_distributions(request_hist)
         each = np.array([analysis.expected_batch_rounds([p_i], m) for p_i, m in zip(p, n)])
         passes_s = k * cost["head"] + cost["verify"]
         batch_rounds = lambda rows: analysis.expected_batch_rounds([p[i] for i in rows], n[rows])

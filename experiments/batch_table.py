@@ -117,12 +117,12 @@ BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> 
 
 def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, drafter, dparams) -> dict:
     """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of the prompts' width
-    at batch b, and a one-row prefill (a refilled slot's), timed in turns (`costs`), each with the static cache its
-    job has (attention reads the whole cache); and `loop_round`, one round of the speculative loop itself on the
-    first b prompts (every step a round takes, not only its passes): the loop with adaptive K over this K alone,
-    timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
+    at batch b, and the refilled slots' one-row prefills (`refills`), timed in turns (`costs`), each with the static
+    cache its job has (attention reads the whole cache); and `loop_round`, one round of the speculative loop itself
+    on the first b prompts (every step a round takes, not only its passes): the loop with adaptive K over this K
+    alone, timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
     from experiments.bench_memory_bound import head_call
-    from specjax.decoding import AdaptiveK
+    from specjax.decoding import AdaptiveK, refill
     from specjax.decoding.jobs import prepare, prepare_speculative
     from specjax.decoding.speculative import calibrate
 
@@ -131,18 +131,21 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     ar_cache = prepare(cfg, prompts, spec, width)[2].cache_size  # as batch after batch pads the jobs
     one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
     tokens, lengths, one_k = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
+    widths = refill.prefill_widths(prepare(cfg, prompts, spec)[0].shape[1])  # of the refill job's buffer
     passes = {  # name: (rows, tokens, cache)
         "step": (b, 1, ar_cache),
         "verify": (b, k + 1, one_k.cache_size),
         "prefill": (b, width, ar_cache),
-        "prefill_1": (1, width, ar_cache),
-    }
+    } | {("prefill_1", w): (1, w, ar_cache) for w in widths}
     in_out, fns = costs.on_cpu_in_out(graphdef, params), {}
     for name, (rows, t, size) in passes.items():
         g, p = costs.as_decoded(rows * t, (graphdef, params), in_out)
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
     fns["head"] = head_call(loaded, "eagle3", target, b, calls, one_k.cache_size)
     cost = {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
+    # each refilled prompt's one-row prefill, at the narrowest width that holds it (`refill.start_row`)
+    at = np.searchsorted(widths, [len(p) for p in prompts[b:]])
+    cost["refills"] = sum(cost["prefill_1", widths[i]] for i in at)
     # the loop's target as compile_decode runs a drafter's job
     g, p = costs.as_decoded(b * (k + 1), (graphdef, params), in_out)
     cost["loop_round"] = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, one_k).adaptive_k.costs[0]
@@ -186,7 +189,7 @@ def predicted_seconds(
     groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
     if mode == "refill":
         rounds = analysis.refill_schedule(each, b)[0]
-        prefill_s = cost["prefill"] + max(len(n) - b, 0) * cost["prefill_1"]
+        prefill_s = cost["prefill"] + cost["refills"]
     else:
         rounds = sum(batch_rounds(rows) for rows in groups)
         prefill_s = len(groups) * cost["prefill"]

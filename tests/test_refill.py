@@ -95,6 +95,28 @@ def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, st
         assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist
 
 
+def test_a_refilled_prompt_is_prefilled_at_the_narrowest_width_that_holds_it(stories, monkeypatch):
+    """Prompts of 33, 3, 17, 25 and 9 tokens in a buffer 40 wide: refilled slots prefill at 16, 24 or 40 tokens
+    (17 and 25 just past a width); AR and EAGLE-3 (its head reads the prefill's features) decode each prompt as
+    alone. Control: widths that stop at 24 cut the longer prompts, and the outputs change."""
+    story = stories.tokenizer.encode("Once upon a time, there was a little girl named Lily. " * 4)
+    prompts = [story[:n] for n in (33, 3, 17, 25, 9)]
+    assert refill.prefill_widths(40) == (16, 24, 40)
+    cfg, graphdef, params = stories.cfg, stories.graphdef, stories.params
+    spec = GenerateSpec(12, Sampler(), eos_id=None)
+    alone = np.asarray(generate(cfg, graphdef, params, prompts, spec).tokens)
+    entry = registry.get("eagle3")
+    drafter, dparams = entry.build(stories, entry.settings(), 3, None, Sampler())
+    for d, dp in ((None, None), (drafter, dparams)):
+        served = refill.serve(cfg, graphdef, params, prompts, spec, 2, d, dp)
+        np.testing.assert_array_equal(np.asarray(served.tokens), alone)
+    monkeypatch.setattr(refill, "prefill_widths", lambda width: (16, 24))
+    refill.ar_serve_compiled.clear_cache()
+    cut = np.asarray(refill.serve(cfg, graphdef, params, prompts, spec, 2).tokens)
+    assert (cut[2:] != alone[2:]).any(axis=1).tolist() == [False, True, False]  # 25 tokens cut to 24
+    refill.ar_serve_compiled.clear_cache()
+
+
 def test_sampled_refill_is_distributed_as_ar_and_a_shared_key_is_caught(monkeypatch):
     graphdef, params = peaked(SMALL, 0)
     sampler = Sampler(1.0)
@@ -156,12 +178,12 @@ def test_batch_table_predicts_ar_rounds_exactly_in_both_modes(stories, story_job
     runs = {
         mode: build(target, prompts, spec, 3, None, None)() for mode, build in batch_table.BUILD.items()
     }
-    cost = dict(step=1.0, prefill=10.0, prefill_1=100.0)
+    cost = dict(step=1.0, prefill=10.0, refills=400.0)
     for mode, run in runs.items():
         np.testing.assert_array_equal(run.tokens, tokens)
         rounds, seconds = batch_table.predicted_seconds("AR", mode, run, 3, 0, cost)
         assert rounds == run.rounds and run.ends.max() == run.rounds
-        prefills = 3 * 10.0 if mode == "batch after batch" else 10.0 + 4 * 100.0  # 7 prompts, 3 slots
+        prefills = 3 * 10.0 if mode == "batch after batch" else 10.0 + 400.0
         assert seconds == rounds + prefills
     bab, refilled = runs["batch after batch"], runs["refill"]
     assert (
@@ -181,7 +203,7 @@ def test_batch_table_predicts_each_requests_rounds_from_its_own_acceptance():
     run = batch_table.Run(
         np.zeros((2, 11)), np.array([11, 11]), 10, np.array([2, 10]), SimpleNamespace(row_hist=hist), hist
     )
-    cost = dict(head=0.0, verify=1.0, prefill=0.0, prefill_1=0.0)
+    cost = dict(head=0.0, verify=1.0, prefill=0.0, refills=0.0)
     own = {
         mode: batch_table.predicted_seconds("eagle3", mode, run, 2, 4, cost, None, hist)
         for mode in ("batch after batch", "refill")

@@ -129,10 +129,28 @@ def ended(queue: Queue, live_B) -> Queue:
     return queue.replace(rounds=rounds, end_N=queue.end_N.at[rows].set(rounds, mode="drop"))
 
 
-def one_prompt(tokens_NP, lengths_N, prompt):
-    """Prompt `prompt` as a batch of one ([1, P], [1])."""
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, prompt, 1)
-    return take(tokens_NP), take(lengths_N)
+def prefill_widths(width: int) -> tuple[int, ...]:
+    """The widths a refilled slot's prompt is prefilled at: a quarter, half and all of the buffer's `width`, each
+    rounded up to a multiple of 8 (a short prompt does not pay for the longest one's padding)."""
+    up_to_8 = lambda n: -(-n // 8) * 8
+    return tuple(sorted({min(width, up_to_8(-(-width // d))) for d in (4, 2, 1)}))
+
+
+def start_row(begin, tokens_NP, lengths_N, prompt):
+    """`begin(tokens [1, w], lengths [1], prompts [1])` for prompt `prompt`, at the narrowest of `prefill_widths`
+    that holds it (one `lax.switch` branch per width); at the buffer's width alone where a drafter's state would
+    differ between widths."""
+    widths = prefill_widths(tokens_NP.shape[1])
+    lengths_1 = jax.lax.dynamic_slice_in_dim(lengths_N, prompt, 1)
+
+    def at(w):
+        return lambda p: begin(jax.lax.dynamic_slice(tokens_NP, (p, 0), (1, w)), lengths_1, p[None])
+
+    shapes = [jax.tree.flatten(jax.eval_shape(at(w), prompt)) for w in widths]
+    if any(s != shapes[-1] for s in shapes):
+        return at(widths[-1])(prompt)
+    index = jnp.searchsorted(jnp.asarray(widths), lengths_1[0])
+    return jax.lax.switch(index, [at(w) for w in widths], prompt)
 
 
 def first_tokens(sampler, key, prompts_B, logits_BV):
@@ -175,7 +193,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
     queue = opening_queue(request, out, first)
 
     def new_row(prompt):
-        cache_1, first_1 = begin(*one_prompt(tokens_NP, lengths_N, prompt), prompt[None])
+        cache_1, first_1 = start_row(begin, tokens_NP, lengths_N, prompt)
         return cache_1, first_1[0]
 
     def place(s: ARSlots, b, cache_1, first, prompt, take):
@@ -230,7 +248,7 @@ def _speculative_serve(
     taps = feature_taps(drafter)
     k_first, k_rounds = jax.random.split(key)
     tokens, lengths, request, out = opening(tokens_NP, lengths_N, slots, n_new)
-    n, width = tokens_NP.shape
+    n = tokens_NP.shape[0]
     # every round emits a token for each live slot: N x max_new_tokens rounds at most
     round_keys = jax.random.split(k_rounds, (n * n_new, 2))
 
@@ -238,7 +256,7 @@ def _speculative_serve(
         logits, cache, feats = prefill(cfg, graphdef, params, tokens_bp, lengths_b, size, taps)
         first = first_tokens(spec.sampler, k_first, prompts_b, logits)
         rows = jnp.arange(tokens_bp.shape[0])
-        seq = jnp.zeros((tokens_bp.shape[0], size), jnp.int32).at[:, :width].set(tokens_bp)
+        seq = jnp.zeros((tokens_bp.shape[0], size), jnp.int32).at[:, : tokens_bp.shape[1]].set(tokens_bp)
         state = drafter.init(drafter_params, tokens_bp, lengths_b, size, feats)
         return cache, first, state, seq.at[rows, lengths_b].set(first)
 
@@ -273,9 +291,8 @@ def _speculative_serve(
         )
 
     def new_row(prompt):
-        tokens_1, lengths_1 = one_prompt(tokens_NP, lengths_N, prompt)
-        cache_1, first_1, drafter_1, seq_1 = begin(tokens_1, lengths_1, prompt[None])
-        return (cache_1, drafter_1, seq_1, lengths_1[0]), first_1[0]
+        cache_1, first_1, drafter_1, seq_1 = start_row(begin, tokens_NP, lengths_N, prompt)
+        return (cache_1, drafter_1, seq_1, lengths_N[prompt]), first_1[0]
 
     def place(state, b, row, first, prompt, take):
         (loop, start_B), (cache_1, drafter_1, seq_1, length) = state, row

@@ -2,8 +2,9 @@
 synthetic cost, real distribution; `experiments.bench_memory_bound`).
 
 Story openings of 2-23 words, each continued to the end of its sentence (a stop at '.', at most 64 tokens: mixed
-output lengths), greedy, at each batch size: AR, EAGLE-3's chain of K and the policy (each round's K chosen on
-device among 0 (an AR round), 1, 2, 4 and K from the round costs measured at that batch before the loop:
+output lengths), greedy, at each batch size: AR, EAGLE-3's chain of K, n-gram's chain of K (training-free) and the
+policy (EAGLE-3 with each round's K chosen on device among 0 (an AR round), 1, 2, 4 and K from the round costs
+measured at that batch before the loop, or the whole job plain where a plain AR round wins from the start:
 `AdaptiveK`), each run batch after batch and with slots refilled inside the compiled loop
 (`specjax.decoding.refill`). Columns: tokens/s over the whole set and the speedup over AR run the same way (medians
 of runs timed in turns), loop rounds, each request's latency (the time of the round that made its last token, at the
@@ -11,9 +12,9 @@ run's mean time per round; p50 and p90), and the prediction of `specjax.analysis
 and its own acceptance (as decoded batch after batch: greedy, the same drafts in both modes; batch after batch,
 each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the costs measured
 at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills),
-against the measured time; and EAGLE-3's rounds priced at the speculative loop's own round at that batch (everything
-a round does besides its passes: acceptance, the commit, the head's state). The policy's rounds change K: it has no
-prediction.
+against the measured time; and the drafters' rounds priced at the speculative loop's own round at that batch
+(everything a round does besides its passes: acceptance, the commit, the head's state, n-gram's lookup). The
+policy's rounds change K: it has no prediction.
 
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
@@ -115,12 +116,13 @@ def refilled(target, prompts, spec, slots: int, drafter, dparams):
 BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
 
 
-def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, drafter, dparams) -> dict:
+def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, drafters: dict) -> dict:
     """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of the prompts' width
     at batch b, and the refilled slots' one-row prefills (`refills`), timed in turns (`costs`), each with the static
-    cache its job has (attention reads the whole cache); and `loop_round`, one round of the speculative loop itself
-    on the first b prompts (every step a round takes, not only its passes): the loop with adaptive K over this K
-    alone, timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
+    cache its job has (attention reads the whole cache); and `("loop_round", method)` for each of `drafters`
+    ({method: (drafter, params)}), one round of its speculative loop itself on the first b prompts (every step a
+    round takes, not only its passes): the loop with adaptive K over this K alone, timed by `speculative.calibrate`
+    (rounds from the start of the job less a call running none)."""
     from experiments.bench_memory_bound import head_call
     from specjax.decoding import AdaptiveK, refill
     from specjax.decoding.jobs import prepare, prepare_speculative
@@ -130,7 +132,7 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     width, k, calls = max(map(len, prompts)), settings.k, settings.calls
     ar_cache = prepare(cfg, prompts, spec, width)[2].cache_size  # as batch after batch pads the jobs
     one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
-    tokens, lengths, one_k = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
+    one_k = prepare_speculative(cfg, drafters["eagle3"][0], prompts[:b], one_k, width)[2]  # its cache size
     widths = refill.prefill_widths(prepare(cfg, prompts, spec)[0].shape[1])  # of the refill job's buffer
     passes = {  # name: (rows, tokens, cache)
         "step": (b, 1, ar_cache),
@@ -148,7 +150,10 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     cost["refills"] = sum(cost["prefill_1", widths[i]] for i in at)
     # the loop's target as compile_decode runs a drafter's job
     g, p = costs.as_decoded(b * (k + 1), (graphdef, params), in_out)
-    cost["loop_round"] = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, one_k).adaptive_k.costs[0]
+    for method, (drafter, dparams) in drafters.items():
+        tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
+        loop = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, job)
+        cost["loop_round", method] = loop.adaptive_k.costs[0]
     return cost
 
 
@@ -157,6 +162,12 @@ def request_distributions(request_hist: np.ndarray) -> list[np.ndarray]:
     that ran none (its prefill's token ended it) gets the pooled one."""
     pooled = analysis.tokens_per_round(request_hist.sum(0))
     return [analysis.tokens_per_round(h) if h.sum() else pooled for h in request_hist]
+
+
+def passes_seconds(method: str, k: int, cost: dict) -> float:
+    """A drafted round's passes: the (K + 1)-token verify pass and the draft's calls, K head calls for EAGLE-3, none
+    for n-gram (its lookup is part of the loop's round)."""
+    return k * cost["head"] * (method == "eagle3") + cost["verify"]
 
 
 def predicted_seconds(
@@ -183,7 +194,7 @@ def predicted_seconds(
         else:
             p = request_distributions(request_hist)
         each = np.array([analysis.expected_batch_rounds([p_i], m) for p_i, m in zip(p, n)])
-        passes_s = k * cost["head"] + cost["verify"]
+        passes_s = passes_seconds(method, k, cost)
         batch_rounds = lambda rows: analysis.expected_batch_rounds([p[i] for i in rows], n[rows])
     round_s = passes_s if round_s is None else round_s
     groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
@@ -202,10 +213,13 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
     from specjax.decoding import AdaptiveK, GenerateSpec
 
     spec = GenerateSpec(settings.max_new_tokens, Sampler(), eos_id=stop)
-    drafter, dparams = make_drafter("eagle3", target, None, loaded, settings.k, None, Sampler())
+    drafters = {
+        m: make_drafter(name, target, None, loaded, settings.k, None, Sampler())
+        for m, name in (("eagle3", "eagle3"), ("ngram", "n-gram"))
+    }
     policy = AdaptiveK(tuple(sorted({k for k in (0, 1, 2, 4) if k < settings.k} | {settings.k})))
-    jobs = {"AR": (spec, None, None), "eagle3": (spec, drafter, dparams)}
-    jobs["policy"] = (dataclasses.replace(spec, adaptive_k=policy), drafter, dparams)
+    jobs = {"AR": (spec, None, None)} | {m: (spec, *d) for m, d in drafters.items()}
+    jobs["policy"] = (dataclasses.replace(spec, adaptive_k=policy), *drafters["eagle3"])
     fns = {
         (m, mode): BUILD[mode](target, prompts, s, b, d, dp)
         for m, (s, d, dp) in jobs.items()
@@ -221,7 +235,7 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
 
     times = harness.interleaved_times({key: recorded(key) for key in fns}, settings.repeats, settle=False)
     jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
-    cost = round_costs(settings, target, loaded, prompts, spec, b, drafter, dparams)
+    cost = round_costs(settings, target, loaded, prompts, spec, b, drafters)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():
@@ -241,9 +255,10 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         hist = runs[(method, "batch after batch")].request_hist
         if method != "policy":
             rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost, None, hist)
-        if method == "eagle3":  # priced at the loop's own round
-            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, cost["loop_round"], hist)[1]
-            over = cost["loop_round"] / (settings.k * cost["head"] + cost["verify"])
+        if method in drafters:  # priced at the loop's own round
+            loop_round = cost["loop_round", method]
+            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, loop_round, hist)[1]
+            over = loop_round / passes_seconds(method, settings.k, cost)
         row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
         row |= dict(
             measured_over_predicted=predicted_s / seconds, measured_over_loop_predicted=loop_s / seconds
@@ -272,7 +287,8 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         rows,
         f"Batches on the expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, float32): {len(prompts)} story "
         f"openings each continued to the end of its sentence (at most {settings.max_new_tokens} tokens), greedy; AR, "
-        f"EAGLE-3's chain K={settings.k} and the policy (adaptive K per round), batch after batch and refilled; "
+        f"EAGLE-3's and n-gram's chains K={settings.k} and the policy (EAGLE-3, adaptive K per round, or the whole "
+        "job plain), batch after batch and refilled; "
         f"medians of {settings.repeats} runs in turns; latency: the time of the round that made a request's last "
         "token; predicted: rounds from each request's own acceptance (specjax.analysis) x the round's cost measured "
         "at that batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a "

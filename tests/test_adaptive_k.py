@@ -27,7 +27,7 @@ from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, specu
 from specjax.decoding.jobs import prepare_speculative
 from specjax.decoding.speculative import calibrate
 from specjax.drafters.draft_model import DraftModel, truncated_target
-from specjax.drafters.ngram import NGram
+from specjax.drafters.lookahead import Lookahead
 from specjax.drafting import registry
 from specjax.drafting.layouts import Draft
 from specjax.drafting.trees import Chain
@@ -56,9 +56,12 @@ def test_greedy_equals_ar_with_a_draft_model():
     assert k_hist.sum() == np.asarray(gen.stats.row_rounds).sum() and k_hist[[0, 3, 5, 6, 7]].sum() == 0
 
 
-@pytest.mark.parametrize("name, ks", [("eagle", (1, 2, 4, 8)), ("medusa", (1, 2, 4))])
-def test_greedy_equals_ar_with_trained_heads(stories, name, ks):
-    """EAGLE's state (features of the last round, padded to the largest K) and Medusa's, across Ks."""
+@pytest.mark.parametrize(
+    "name, ks", [("eagle", (1, 2, 4, 8)), ("medusa", (1, 2, 4)), ("ngram", (1, 2, 4, 8))]
+)
+def test_greedy_equals_ar_with_heads_and_n_gram(stories, name, ks):
+    """EAGLE's state (features of the last round, padded to the largest K) and Medusa's, across Ks; and n-gram's
+    lookup (no state), a training-free drafter."""
     cfg, graphdef, params, prompts, spec, ar = greedy_case("stories", stories)
     entry = registry.get(name)
     drafter, dparams = entry.build(stories, entry.settings(), ks[-1], None, Sampler())
@@ -222,6 +225,59 @@ def test_k0_is_an_ar_round_taken_where_drafts_do_not_pay(right_then_wrong):
         assert np.asarray(gen.stats.k_hist)[0] == ar_rounds, gen.stats.k_hist
 
 
+def test_a_job_runs_plain_where_a_plain_round_wins_from_its_start(right_then_wrong):
+    """At a prior of 0.6, K = 1 (1.6 tokens for 1.2) beats a K = 0 round (1 for 1), so the loop drafts (its drafts
+    are always right); a plain round at half a K = 0 round's cost (2 tokens per unit) beats every K at the start, so
+    the whole job runs plain, K = 0 in every row-round. Greedy output is AR's both ways; a plain cost above the
+    K = 0 round's changes nothing."""
+    graphdef, params = TARGET
+    spec = GenerateSpec(64, eos_id=None)
+    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
+    greedy = np.zeros((len(RAGGED), 128), np.int32)
+    for row, p in enumerate(RAGGED):
+        greedy[row, : len(p) + 64] = p + ar[row].tolist()
+    dparams = (jnp.asarray(greedy), jnp.full(len(RAGGED), 1000))
+    drafter = right_then_wrong.build(None, None, 8, None, None)[0]
+    hists = {}
+    for plain_cost in (None, 0.5, 1.5):
+        adaptive = AdaptiveK((0, 1, 8), (1.0, 1.2, 2.6), prior=0.6, plain_cost=plain_cost)
+        gen = speculative_generate(
+            TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec, adaptive)
+        )
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+        hists[plain_cost] = np.asarray(gen.stats.k_hist).tolist()
+    assert hists[0.5] == [63 * 4] + [0] * 8, hists
+    # drafted: the accepted drafts leave fewer than two thirds of the plain job's row-rounds
+    assert hists[None] == hists[1.5] and sum(hists[None]) < 63 * 4 * 2 / 3, hists
+
+
+def test_a_plain_round_samples_as_a_k0_round():
+    """Sampled, a plain job (the drafter idle) gives exactly the tokens of a job whose every round is K = 0 (the
+    drafter kept in step), whose exactness the chi-square test above covers: the same target pass and rule with the
+    same keys; the plain cost is measured beside the Ks' (positive) where K = 0 is in the set, and not otherwise."""
+    graphdef, params = TARGET
+    dcfg, dgraphdef, dparams = truncated_target(TINY, params, 1)
+    spec = GenerateSpec(24, Sampler(1.0), eos_id=None)
+    drafter = DraftModel(dcfg, dgraphdef, 3, spec.sampler)
+    tokens = {}
+    for name, plain_cost in (("K = 0 rounds", None), ("plain", 1e-3)):
+        adaptive = AdaptiveK((0, 3), (1.0, 100.0), prior=0.5, plain_cost=plain_cost)
+        job = adaptive_spec(spec, adaptive)
+        gen = speculative_generate(TINY, graphdef, params, drafter, dparams, RAGGED, job, seed=3)
+        assert np.asarray(gen.stats.k_hist).tolist() == [23 * 4, 0, 0, 0]
+        tokens[name] = np.asarray(gen.tokens)
+    np.testing.assert_array_equal(tokens["plain"], tokens["K = 0 rounds"])
+    assert len(np.unique(tokens["plain"])) > 10  # sampled, not a constant
+    for ks, measured in (((0, 3), True), ((1, 3), False)):
+        tokens_BP, lengths, job = prepare_speculative(
+            TINY, drafter, RAGGED, adaptive_spec(spec, AdaptiveK(ks))
+        )
+        args = (TINY, graphdef, params, drafter, dparams, tokens_BP, lengths)
+        calibrated = calibrate(*args, job, rounds=2, repeats=1).adaptive_k
+        assert (calibrated.plain_cost is not None) == measured, calibrated
+        assert calibrated.plain_cost is None or calibrated.plain_cost > 0
+
+
 def test_a_batch_waits_for_its_slowest_row():
     """At an acceptance of 0.75, K = 4 at 2.8 times an AR round's cost gains 3.05 tokens a round: it pays for one
     row with 32 tokens left (10.96 rounds, 30.7 AR rounds' time, exact batch model) but not for two rows (33.4 > 32:
@@ -288,8 +344,8 @@ def test_errors_before_compile():
     spec = adaptive_spec(GenerateSpec(8))
     with pytest.raises(ValueError, match=r"build the drafter as a chain of the largest K \(k=8\), not K=4"):
         speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 4), params, RAGGED, spec)
-    with pytest.raises(ValueError, match="NGram cannot change its draft length per round"):
-        speculative_generate(TINY, graphdef, params, NGram(8), None, RAGGED, spec)
+    with pytest.raises(ValueError, match="Lookahead cannot change its draft length per round"):
+        speculative_generate(TINY, graphdef, params, Lookahead(), None, RAGGED, spec)
     with pytest.raises(ValueError, match="increasing distinct integers >= 0"):
         AdaptiveK((4, 2))
     with pytest.raises(ValueError, match="needs a K >= 1 besides 0"):

@@ -11,7 +11,7 @@ import pytest
 from helpers import N_SAMPLES, SMALL, Alternating, first_three, peaked, two_sample_pvalue
 
 from specjax import analysis
-from specjax.decoding import GenerateSpec, generate, refill
+from specjax.decoding import AdaptiveK, GenerateSpec, generate, refill
 from specjax.drafters.draft_model import DraftModel, truncated_target
 from specjax.drafting import registry
 from specjax.errors import DecodingError
@@ -67,14 +67,15 @@ def test_ar_refill_decodes_each_prompt_as_alone_in_the_scheduled_steps(budgets, 
     [
         ("draft_model", 3, None),
         ("eagle3", 4, Alternating((0, 4), (1.0, 1.0), prior=0.6)),
+        ("eagle3", 4, AdaptiveK((0, 4), (1.0, 1.0), prior=0.6, plain_cost=0.2)),
     ],
-    ids=["draft_model", "eagle3 adaptive K"],
+    ids=["draft_model", "eagle3 adaptive K", "eagle3 plain"],
 )
 def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, stories, story_job):
     """A draft model (its own cache in the drafter state) and an EAGLE-3 head (the target's features) with adaptive
-    K (one round a step at the K chosen, here K = 0 and K = 4 in turn: its K = 4 rounds draft as a fixed K), prompts
-    with token budgets of their own: each slot's drafter state is replaced with its new prompt's, and each prompt's
-    output is its output alone."""
+    K (one round a step at the K chosen, here K = 0 and K = 4 in turn: its K = 4 rounds draft as a fixed K; or, at a
+    plain round's cost that beats both, a plain job), prompts with token budgets of their own: each slot's drafter
+    state is replaced with its new prompt's, and each prompt's output is its output alone."""
     prompts, spec, tokens, lengths = story_job
     entry = registry.get(method)
     drafter, dparams = entry.build(stories, entry.settings(), k, None, Sampler())
@@ -92,7 +93,9 @@ def test_speculative_refill_decodes_each_prompt_as_alone(method, k, adaptive, st
     )  # the last prompt's last token ends the loop
     if adaptive is not None:
         k_hist = np.asarray(served.stats.k_hist)
-        assert k_hist[0] > 0 and k_hist[4] > 0 and k_hist.sum() == k_hist[0] + k_hist[4], k_hist
+        drafted = 0 if adaptive.plain_cost else k_hist[4]
+        assert k_hist[0] > 0 and (k_hist[4] > 0) == (drafted > 0), k_hist
+        assert k_hist.sum() == k_hist[0] + drafted, k_hist
 
 
 def test_a_refilled_prompt_is_prefilled_at_the_narrowest_width_that_holds_it(stories, monkeypatch):

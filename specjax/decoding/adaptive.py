@@ -4,7 +4,9 @@ The loop compiles one round per K in `ks` (`speculative.adaptive_rounds`; the ca
 the largest K) and picks one from data: the per-position acceptance rates measured so far and the measured cost
 of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`). K = 0 is a plain
 autoregressive round inside the same loop (one token per round, at the cost of a one-token target pass), for
-where speculation loses, as a large batch on a machine whose multi-token passes are not nearly free.
+where speculation loses, as a large batch on a machine whose multi-token passes are not nearly free. Where K = 0
+would be every round's choice from the start, the job runs plain: AR rounds that never call the drafter (a K = 0
+round still keeps the drafter in step, which costs a draft call a round).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Measured:
     prior: jax.Array  # [] float32
     forced: jax.Array  # [] int32: every round drafts ks[forced] (calibrating); -1: the policy chooses
     rounds: jax.Array  # [] int32: forced, the loop runs this many rounds (ended rows idle)
+    plain_cost: (
+        jax.Array
+    )  # [] float32: a plain round's cost (the drafter idle); float32 max: never; 0: always
 
 
 @struct.dataclass
@@ -37,6 +42,7 @@ class Estimate:
     counts_2K: jax.Array  # EMAs of row-rounds (per row) that accepted / proposed draft position i < K_max
     choice: jax.Array  # [] index into `ks` of the next round's K
     measured: Measured
+    plain: jax.Array  # [] bool: every round of the job is a plain AR round, the drafter never called
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +64,17 @@ class AdaptiveK:
       with the costs by `calibrate`. The defaults (a memory of about 100 rounds, 20 pseudo row-rounds, the
       measured prior) come from `experiments.bench_verification --adaptive_costs`: a memory of 10 rounds, half a
       pseudo row-round and a fixed prior of 0.6 chased single rounds' noise, mostly into K = 1 in the first rounds
-      of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time."""
+      of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time.
+    plain_cost: with K = 0 in `ks`, the time of a plain AR round (one that never calls the drafter; a K = 0 round
+      keeps the drafter in step). A job runs plain throughout when K = 0 at this cost is the best choice at its
+      start. None: measured with the costs (where they are measured), else never plain."""
 
     ks: tuple[int, ...] = (1, 2, 4, 8)
     costs: tuple[float, ...] | None = None
     decay: float = 0.99
     prior: float | None = None
     prior_weight: float = 20.0
+    plain_cost: float | None = None
 
     def __post_init__(self):
         ks = tuple(self.ks)
@@ -80,6 +90,8 @@ class AdaptiveK:
             if len(costs) != len(ks) or min(costs) <= 0:
                 raise DrafterError(f"adaptive K needs one positive round cost per K in {ks}; got {costs}")
             object.__setattr__(self, "costs", costs)
+        if self.plain_cost is not None and not self.plain_cost > 0:
+            raise DrafterError(f"adaptive K needs a positive plain round cost; got {self.plain_cost}")
         if not (
             0 <= self.decay < 1 and (self.prior is None or 0 < self.prior < 1) and self.prior_weight > 0
         ):
@@ -109,21 +121,35 @@ class AdaptiveK:
     @property
     def unmeasured(self) -> AdaptiveK:
         """This policy without its costs and prior: the compiled loop's static part (`measured` holds them)."""
-        return dataclasses.replace(self, costs=None, prior=None)
+        return dataclasses.replace(self, costs=None, prior=None, plain_cost=None)
 
-    def measured(self, forced: int = -1, rounds: int = 0) -> Measured:
+    def measured(self, forced: int = -1, rounds: int = 0, plain: bool = False) -> Measured:
         """The costs and prior as data (`forced` >= 0: every round drafts ks[forced], for `rounds` rounds; the
-        costs and prior may then be unknown)."""
+        costs and prior may then be unknown; `plain`: the job runs plain)."""
         if forced < 0 and (self.costs is None or self.prior is None):
             raise DrafterError("adaptive K has no round costs or prior yet: calibrate it first")
         costs = jnp.ones(len(self.ks)) if self.costs is None else jnp.asarray(self.costs)
         prior = 0.5 if self.prior is None else self.prior
-        return Measured(costs.astype(jnp.float32), jnp.float32(prior), jnp.int32(forced), jnp.int32(rounds))
+        never = float(jnp.finfo(jnp.float32).max)  # x rounds: inf, or 0 for no rounds (not inf x 0 = nan)
+        plain_cost = 0.0 if plain else never if self.plain_cost is None else self.plain_cost
+        return Measured(
+            costs.astype(jnp.float32),
+            jnp.float32(prior),
+            jnp.int32(forced),
+            jnp.int32(rounds),
+            jnp.float32(plain_cost),
+        )
 
     def zeros(self, remaining_B, measured: Measured) -> Estimate:
-        """The estimate before any round, with `remaining_B` tokens to emit in each row (0: done)."""
+        """The estimate before any round, with `remaining_B` tokens to emit in each row (0: done), and whether the
+        job runs plain: K = 0 at a plain round's cost is the best choice now."""
         counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
-        return Estimate(counts_2K, self.pick(counts_2K, remaining_B, measured), measured)
+        choice = self.pick(counts_2K, remaining_B, measured)
+        plain = jnp.bool_(False)
+        if self.ks[0] == 0:
+            plain_costs = measured.costs.at[0].set(measured.plain_cost)
+            plain = self.best(counts_2K, remaining_B, plain_costs, measured.prior) == 0
+        return Estimate(counts_2K, choice, measured, plain)
 
     def alpha(self, estimate_2K, prior):
         """[K_max] the per-position acceptance estimate: each position's counts plus `prior_weight` pseudo
@@ -136,7 +162,12 @@ class AdaptiveK:
     def pick(self, counts_2K, remaining_B, measured: Measured):
         """[] index into `ks` of the best K for rows with `remaining_B` tokens left (the smaller on ties), or the
         forced one."""
-        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K, measured.prior))
+        best = self.best(counts_2K, remaining_B, measured.costs, measured.prior)
+        return jnp.where(measured.forced >= 0, measured.forced, best)
+
+    def best(self, counts_2K, remaining_B, costs, prior):
+        """[] index into `ks` of the K whose expected rounds to finish x `costs` is least (the smaller on ties)."""
+        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K, prior))
         drafting = jnp.asarray([k - 1 for k in self.ks if k > 0])
         # every K at once: a round runs this, and a few batched operations cost less than a few per K
         rounds = jax.vmap(expected_rounds_to_finish, (0, 0, None))(
@@ -144,8 +175,7 @@ class AdaptiveK:
         )
         if self.ks[0] == 0:  # K = 0: a token a round
             rounds = jnp.concatenate([jnp.max(remaining_B).astype(jnp.float32)[None], rounds])
-        best = jnp.argmin(rounds * measured.costs).astype(jnp.int32)
-        return jnp.where(measured.forced >= 0, measured.forced, best)
+        return jnp.argmin(rounds * costs).astype(jnp.int32)
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""
@@ -160,4 +190,5 @@ class AdaptiveK:
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        return Estimate(counts_2K, self.pick(counts_2K, remaining_B, estimate.measured), estimate.measured)
+        choice = self.pick(counts_2K, remaining_B, estimate.measured)
+        return estimate.replace(counts_2K=counts_2K, choice=choice)

@@ -130,7 +130,7 @@ def check_adaptive(drafter, adaptive: AdaptiveK) -> None:
     if not hasattr(drafter, "with_k"):
         raise DecodingError(
             f"{type(drafter).__name__} cannot change its draft length per round (no `with_k`); "
-            "drop adaptive K or use a drafter that has it (draft_model, eagle, medusa)"
+            "drop adaptive K or use a drafter that has it (draft_model, eagle, eagle3, medusa, ngram)"
         )
     if drafter.shape != Chain(adaptive.k_max):
         raise DecodingError(

@@ -25,6 +25,8 @@ from specjax.decoding.speculative import (
     SpecStats,
     calibrate,
     chosen_round,
+    plain_or_drafted,
+    plain_round,
     speculative_round,
 )
 from specjax.drafting.protocol import feature_taps
@@ -305,20 +307,31 @@ def _speculative_serve(
         )
         return loop, set_at(start_B, b, length, take)
 
-    def body(carry):
-        loop, start_B, queue = carry
-        live = ~loop.done_B
+    def drafted(loop, start_B, queue):  # a round
         args = (graphdef, params, drafter, drafter_params, spec, loop, start_B + budget_N[queue.request_B])
         if spec.adaptive_k is None:
-            loop = speculative_round(*args, round_keys)
-        else:  # the queue's tokens are work left too: a refilled batch does not wait for its slowest row
-            loop = chosen_round(*args, round_keys, queued(queue.next))
-        queue = ended(harvest(loop, start_B, queue), live)
-        (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, new_row, place)
-        return loop, start_B, queue
+            return speculative_round(*args, round_keys)
+        # the queue's tokens are work left too: a refilled batch does not wait for its slowest row
+        return chosen_round(*args, round_keys, queued(queue.next))
+
+    def plain(loop, start_B, queue):
+        return plain_round(graphdef, params, spec, loop, start_B + budget_N[queue.request_B], round_keys)
+
+    def rounds(one_round):  # the serving loop of `one_round`s, refilling ended slots
+        def body(carry):
+            loop, start_B, queue = carry
+            live = ~loop.done_B
+            loop = one_round(loop, start_B, queue)
+            queue = ended(harvest(loop, start_B, queue), live)
+            (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, new_row, place)
+            return loop, start_B, queue
+
+        return lambda carry: jax.lax.while_loop(go_on, body, carry)
 
     go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)
-    loop, start_B, queue = jax.lax.while_loop(go_on, body, carry)
+    loop, start_B, queue = plain_or_drafted(
+        spec.adaptive_k, loop.estimate, rounds(plain), rounds(drafted), carry
+    )
     return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats, queue.end_N)
 
 

@@ -20,7 +20,7 @@ from specjax import precision
 from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
-from specjax.drafting.layouts import Draft, Verification
+from specjax.drafting.layouts import ChainLayout, Draft, Verification
 from specjax.drafting.protocol import feature_taps, propose
 from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
@@ -217,6 +217,24 @@ def round_at(graphdef, params, drafter, drafter_params, spec, k: int):
     )
 
 
+def plain_round(graphdef, params, spec, loop: LoopState, limit_B, keys):
+    """A plain AR round on the loop state: the target's token after the pending one, as a K = 0 round verifies it,
+    with no draft and no word to the drafter (a job that runs plain never drafts)."""
+    pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
+    empty = Draft(jnp.zeros((pending.shape[0], 0), jnp.int32), None, ChainLayout(0))
+    verdict, cache = verify(graphdef, params, spec, empty, pending, loop.cache, keys[loop.stats.rounds][1])
+    return commit(loop, empty.layout, verdict, cache, spec, limit_B)
+
+
+def plain_or_drafted(adaptive: AdaptiveK | None, estimate, plain, drafted, carry):
+    """`plain(carry)` where adaptive K chose a plain job at its start (`AdaptiveK.zeros`; only with K = 0 in its
+    set), else `drafted(carry)`: one choice for the whole loop (a branch per round would copy the caches each
+    round)."""
+    if adaptive is None or adaptive.ks[0] != 0:
+        return drafted(carry)
+    return jax.lax.cond(estimate.plain, plain, drafted, carry)
+
+
 def chosen_round(graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, backlog):
     """One round at the K adaptive K chose: each K's round in a `lax.while_loop` of at most one trip (the caches
     updated in place, see `adaptive_rounds`), the first whose K is chosen running."""
@@ -307,8 +325,11 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
         timed = lambda lp: lp.stats.rounds < measured.rounds
         until = lambda lp: jnp.where(measured.forced >= 0, timed(lp), go_on(lp))
         choose = lambda lp: spec.adaptive_k.choose(lp.estimate)
-        args = (graphdef, params, drafter, drafter_params, spec, loop, limit, round_keys)
-        loop = adaptive_rounds(*args, until, choose)
+        args = (graphdef, params, drafter, drafter_params, spec)
+        drafted = lambda lp: adaptive_rounds(*args, lp, limit, round_keys, until, choose)
+        plain_one = lambda lp: plain_round(graphdef, params, spec, lp, limit, round_keys)
+        plain = lambda lp: jax.lax.while_loop(until, plain_one, lp)
+        loop = plain_or_drafted(spec.adaptive_k, loop.estimate, plain, drafted, loop)
     n_new = spec.max_new_tokens
     out = jnp.take_along_axis(loop.seq_BS, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens_B - lengths_B
@@ -340,8 +361,9 @@ def calibrate(
 
 def measure(adaptive: AdaptiveK, run, rounds=32, repeats=9) -> AdaptiveK:
     """`adaptive` with its round costs and prior measured, where not given, by `run(measured)` (the job's compiled
-    loop; its SpecStats). Costs: per K, the median over `repeats` of the time of a call running `rounds` rounds
-    at that K less that of a call running none (the prefill and the call's overhead), divided by `rounds`.
+    loop; its SpecStats). Costs: per K (and, with K = 0 in the set, per plain round: `AdaptiveK.plain_cost`), the
+    median over `repeats` of the time of a call running `rounds` rounds at that K less that of a call running none
+    (the prefill and the call's overhead), divided by `rounds`.
     Prior: the acceptance rate of all draft positions over `rounds` rounds at the largest K (kept within
     [0.05, 0.95])."""
     if adaptive.costs is not None and adaptive.prior is not None:
@@ -353,17 +375,22 @@ def measure(adaptive: AdaptiveK, run, rounds=32, repeats=9) -> AdaptiveK:
         adaptive = dataclasses.replace(adaptive, prior=min(max(rate, 0.05), 0.95))
     if adaptive.costs is None:
 
-        def seconds(index: int, n: int) -> float:
+        def seconds(index: int, n: int, plain: bool) -> float:
             begin = time.perf_counter()
-            timed(index, n)
+            jax.block_until_ready(run(adaptive.measured(index, n, plain)))
             return time.perf_counter() - begin
 
-        per_round = [[] for _ in adaptive.ks]
-        for _ in range(repeats):  # each K in turn: a drifting machine speed reaches all alike
-            for i, t in enumerate(per_round):
-                t.append((seconds(i, rounds) - seconds(i, 0)) / rounds)
-        costs = tuple(max(float(np.median(t)), 1e-9) for t in per_round)
-        adaptive = dataclasses.replace(adaptive, costs=costs)
+        # each K's rounds, then (with K = 0 in the set) plain rounds
+        plain = adaptive.ks[0] == 0 and adaptive.plain_cost is None
+        runs = [(i, False) for i in range(len(adaptive.ks))] + [(0, True)] * plain
+        per_round = [[] for _ in runs]
+        for _ in range(repeats):  # each in turn: a drifting machine speed reaches all alike
+            for (i, as_plain), t in zip(runs, per_round):
+                t.append((seconds(i, rounds, as_plain) - seconds(i, 0, as_plain)) / rounds)
+        costs = [max(float(np.median(t)), 1e-9) for t in per_round]
+        adaptive = dataclasses.replace(adaptive, costs=tuple(costs[: len(adaptive.ks)]))
+        if plain:
+            adaptive = dataclasses.replace(adaptive, plain_cost=costs[-1])
     return adaptive
 
 

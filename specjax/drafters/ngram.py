@@ -118,6 +118,10 @@ class NGram:
                 f"n-gram branches={self.branches} proposes nothing; use branches >= 1 (1: a chain)"
             )
 
+    def with_k(self, k: int) -> NGram:
+        """This drafter drafting chains of `k` tokens (adaptive K; there is no state to take over)."""
+        return dataclasses.replace(self, k=k, branches=1)
+
     @functools.cached_property
     def tree(self) -> Tree | None:
         return None if self.branches == 1 else branch_tree(self.branches, self.k)

@@ -30,9 +30,7 @@ class Measured:
     prior: jax.Array  # [] float32
     forced: jax.Array  # [] int32: every round drafts ks[forced] (calibrating); -1: the policy chooses
     rounds: jax.Array  # [] int32: forced, the loop runs this many rounds (ended rows idle)
-    plain_cost: (
-        jax.Array
-    )  # [] float32: a plain round's cost (the drafter idle); float32 max: never; 0: always
+    plain_cost: jax.Array  # [] float32: a plain round's cost (drafter idle); float32 max: never; 0: always
 
 
 @struct.dataclass

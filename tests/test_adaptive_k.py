@@ -131,14 +131,21 @@ def right_then_wrong():
     del registry.DRAFTERS["right_then_wrong"]
 
 
-def test_choice_follows_acceptance_along_the_text(right_then_wrong):
+def ar_and_greedy():
+    """(spec of 64 greedy tokens, AR's tokens [B, 64], each row's prompt and AR continuation [B, 128], prompt lengths)
+    on the tiny target: what `RightThenWrong` drafts from."""
     graphdef, params = TARGET
     spec = GenerateSpec(64, eos_id=None)
     ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
-    lengths = np.array([len(p) for p in RAGGED])
     greedy = np.zeros((len(RAGGED), 128), np.int32)
     for row, p in enumerate(RAGGED):
         greedy[row, : len(p) + 64] = p + ar[row].tolist()
+    return spec, ar, greedy, np.array([len(p) for p in RAGGED])
+
+
+def test_choice_follows_acceptance_along_the_text(right_then_wrong):
+    graphdef, params = TARGET
+    spec, ar, greedy, lengths = ar_and_greedy()
     drafter = right_then_wrong.build(None, None, 8, None, None)[0]
     hists, priors = {}, {}
     for phase, right_for, adaptive in [
@@ -210,12 +217,7 @@ def test_k0_is_an_ar_round_taken_where_drafts_do_not_pay(right_then_wrong):
     """K = 0 in the set is a round of the target's token alone: greedy output unchanged; with drafts always wrong
     (a K = 1 round costs more than the tokens it gains) every round is one, with drafts always right none is."""
     graphdef, params = TARGET
-    spec = GenerateSpec(64, eos_id=None)
-    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
-    greedy = np.zeros((len(RAGGED), 128), np.int32)
-    for row, p in enumerate(RAGGED):
-        greedy[row, : len(p) + 64] = p + ar[row].tolist()
-    lengths = np.array([len(p) for p in RAGGED])
+    spec, ar, greedy, lengths = ar_and_greedy()
     drafter = right_then_wrong.build(None, None, 8, None, None)[0]
     job = adaptive_spec(spec, AdaptiveK((0, 1, 8), (1.0, COSTS[0], COSTS[3])))
     for right_for, ar_rounds in ((0, 63 * 4), (1000, 0)):
@@ -231,11 +233,7 @@ def test_a_job_runs_plain_where_a_plain_round_wins_from_its_start(right_then_wro
     the whole job runs plain, K = 0 in every row-round. Greedy output is AR's both ways; a plain cost above the
     K = 0 round's changes nothing."""
     graphdef, params = TARGET
-    spec = GenerateSpec(64, eos_id=None)
-    ar = np.asarray(generate(TINY, graphdef, params, RAGGED, spec).tokens)
-    greedy = np.zeros((len(RAGGED), 128), np.int32)
-    for row, p in enumerate(RAGGED):
-        greedy[row, : len(p) + 64] = p + ar[row].tolist()
+    spec, ar, greedy, _ = ar_and_greedy()
     dparams = (jnp.asarray(greedy), jnp.full(len(RAGGED), 1000))
     drafter = right_then_wrong.build(None, None, 8, None, None)[0]
     hists = {}

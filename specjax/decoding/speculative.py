@@ -106,6 +106,11 @@ class LoopState:
     stats: SpecStats
     estimate: object  # adaptive K's `Estimate` (`AdaptiveK.zeros`), else a placeholder []
 
+    @property
+    def pending_B(self) -> jax.Array:
+        """[B] each row's last token, the one not yet in the target's cache."""
+        return jnp.take_along_axis(self.seq_BS, (self.n_tokens_B - 1)[:, None], axis=1)[:, 0]
+
 
 def verify(graphdef, params, spec: GenerateSpec, draft: Draft, pending_B, cache, key, taps=()):
     """One target pass over the pending token and the draft, then the acceptance rule: (Verification with the
@@ -164,7 +169,7 @@ def speculative_round(
     )
     if verified is not None:
         draft = draft.prefix(verified)
-    pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
+    pending = loop.pending_B
     checked = lambda d, lp: verify_and_commit(
         graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B, backlog
     )
@@ -220,7 +225,7 @@ def round_at(graphdef, params, drafter, drafter_params, spec, k: int):
 def plain_round(graphdef, params, spec, loop: LoopState, limit_B, keys):
     """A plain AR round on the loop state: the target's token after the pending one, as a K = 0 round verifies it,
     with no draft and no word to the drafter (a job that runs plain never drafts)."""
-    pending = jnp.take_along_axis(loop.seq_BS, (loop.n_tokens_B - 1)[:, None], axis=1)[:, 0]
+    pending = loop.pending_B
     empty = Draft(jnp.zeros((pending.shape[0], 0), jnp.int32), None, ChainLayout(0))
     verdict, cache = verify(graphdef, params, spec, empty, pending, loop.cache, keys[loop.stats.rounds][1])
     return commit(loop, empty.layout, verdict, cache, spec, limit_B)

@@ -1,7 +1,8 @@
 """Decodes text with a Llama-family model, autoregressively or speculatively. No flags: a story from stories260K.
 
 python run_decode.py --prompt="Once upon a time" --max_new_tokens=200 --temperature=0.8
-python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar
+python run_decode.py --drafter=draft_model --draft_layers=2 --compare_ar   # each round's K chosen (0, 1, 2, 4)
+python run_decode.py --drafter=draft_model --draft_layers=2 --k=4 --compare_ar   # K = 4 every round
 python run_decode.py --drafter=eagle --heads=heads/stories260K_eagle --tree=dynamic:4,6,24 --compare_ar
 
 A --draft_model or --heads that does not fit the target is refused before the target's weights are read
@@ -61,7 +62,12 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "drafter", "none", f"Draft source, one of {registry.names()}; none = plain AR decoding."
 )
-flags.DEFINE_integer("k", 4, "Draft tokens per round (chains; a tree sets it to its depth).")
+flags.DEFINE_integer(
+    "k",
+    None,
+    "Draft tokens per round, the same in every round (chains; a tree sets it to its depth). Default: each round's K "
+    "chosen among 0 (a plain AR round), 1, 2 and 4 (see --adaptive_k) where the drafter can change it, else 4.",
+)
 flags.DEFINE_string(
     "tree",
     "",
@@ -75,7 +81,8 @@ flags.DEFINE_string(
     "adaptive_k",
     "",
     "Choose each round's K on device among these chain lengths, e.g. 1,2,4,8 (0: a plain AR round), from the "
-    "acceptance so far and round costs timed before the loop (replaces --k).",
+    "acceptance so far and round costs timed before the loop (replaces --k). Default, with neither --k nor --tree: "
+    "0,1,2,4 where the drafter can change its K.",
 )
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 flags.DEFINE_string(
@@ -86,6 +93,10 @@ flags.DEFINE_string(
 )
 cli.define_process_flags()
 SPECULATIVE_FLAGS = {"k", "tree", "acceptance", "adaptive_k"}  # meaningful only with a drafter
+DEFAULT_K = 4  # a chain's K where neither --k nor a policy sets it
+# with neither --k nor --tree nor --adaptive_k: each round's K among these (0: a plain AR round), where the drafter
+# can change its K
+DEFAULT_POLICY = AdaptiveK((0, 1, 2, 4))
 
 
 def define_drafter_flags() -> None:
@@ -135,8 +146,9 @@ def drafter_flags() -> set[str]:
 
 
 def drafter_plan():
-    """(registry entry, settings, k, tree) from the flags, or None for AR, checked before anything is loaded;
-    a drafter flag that the chosen drafter does not read is an error, not a silent no-op."""
+    """(registry entry, settings, k, tree, policy) from the flags, or None for AR, checked before anything is loaded;
+    a drafter flag that the chosen drafter does not read is an error, not a silent no-op. policy: --adaptive_k's,
+    `DEFAULT_POLICY` where neither --k nor --tree fixes the draft, else None."""
     given = {name for name in drafter_flags() | SPECULATIVE_FLAGS if FLAGS[name].present}
     if FLAGS.drafter == "none":
         if FLAGS.compare_ar:
@@ -156,18 +168,19 @@ def drafter_plan():
     tree, adaptive = parse_tree(FLAGS.tree), adaptive_k()
     if adaptive and (tree or FLAGS["k"].present):
         raise cli.UsageError("--adaptive_k chooses each round's K itself: drop --k and --tree")
-    k = adaptive.k_max if adaptive else FLAGS.k if tree is None else tree.depth
+    k = tree.depth if tree else adaptive.k_max if adaptive else DEFAULT_K if FLAGS.k is None else FLAGS.k
     if k < 1:
         raise cli.UsageError(f"--k={k} drafts nothing; pass --k=1 or more (draft tokens per round)")
     settings = entry.settings(**{name: FLAGS[name].value for name in own})
-    return entry, settings, k, tree
+    fixed = tree is not None or FLAGS.k is not None
+    return entry, settings, k, tree, adaptive or (None if fixed else DEFAULT_POLICY)
 
 
 def make_drafter(target, sampler, plan):
     """(drafter, its params) built on `target` from `drafter_plan()`; (None, None) for AR."""
     if plan is None:
         return None, None
-    entry, settings, k, tree = plan
+    entry, settings, k, tree, _ = plan
     return entry.build(target, settings, k, tree, sampler)
 
 
@@ -187,6 +200,15 @@ def check_pair(plan, cfg, tokenizer) -> None:
 
 def adaptive_k() -> AdaptiveK | None:
     return AdaptiveK.parse(FLAGS.adaptive_k) if FLAGS.adaptive_k else None
+
+
+def policy(plan, drafter) -> AdaptiveK | None:
+    """How `drafter` (built from `plan`) chooses each round's K: the plan's policy, the default one only where the
+    drafter can change its K (it has `with_k`; the choice reads no token of its round, so it stays exact); None:
+    the same draft every round."""
+    if plan is None or (plan[4] is DEFAULT_POLICY and not hasattr(drafter, "with_k")):
+        return None
+    return plan[4]
 
 
 def main(argv):
@@ -215,22 +237,23 @@ def main(argv):
         check_pair(plan, model.cfg, model.tokenizer)
     if quant is not None:
         quant.check(model.cfg)
+    drafter, drafter_params = make_drafter(model, sampler, plan)
     spec = GenerateSpec(
         FLAGS.max_new_tokens,
         sampler,
         eos_id=model.cfg.eos_id,
         acceptance=rule,
-        adaptive_k=adaptive_k(),
+        adaptive_k=policy(plan, drafter),
         matmul_precision=FLAGS.matmul_precision,
     )
-    drafter, drafter_params = make_drafter(model, sampler, plan)
     model = quantize_loaded(model, quant)
     report = decode_texts(
         model, prompts, spec, FLAGS.seed, FLAGS.batch_size, drafter, drafter_params, mesh, FLAGS.refill
     )
     if drafter and FLAGS.compare_ar:  # every process decodes, process 0 prints
+        ar_spec = dataclasses.replace(spec, adaptive_k=None)
         ar_report = decode_texts(
-            model, prompts, spec, FLAGS.seed, FLAGS.batch_size, mesh=mesh, refill=FLAGS.refill
+            model, prompts, ar_spec, FLAGS.seed, FLAGS.batch_size, mesh=mesh, refill=FLAGS.refill
         )
     if not sharding.is_main():
         return

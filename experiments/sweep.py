@@ -19,6 +19,7 @@ ignored (every setting emits --max_new_tokens a prompt).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import sys
@@ -100,7 +101,6 @@ class Setting:
             self.sampler,
             eos_id=None,
             acceptance=self.rule,
-            adaptive_k=rd.adaptive_k(),
         )
         self.flags = {name: FLAGS[name].value for name in FLAGS if name in rd_flags()}
         self.ar_key = tuple((n, _hashable(self.flags.get(n))) for n in AR_FLAGS)
@@ -134,8 +134,8 @@ class Runner:
         return self.models[s.model_key]
 
     def build(self, s: Setting, ar: bool):
-        """(run(seed) decoding the setting's prompts once and returning the outputs, new tokens, drafter); the
-        programs do not depend on the seed."""
+        """(run(seed) decoding the setting's prompts once and returning the outputs, new tokens, drafter, spec);
+        the programs do not depend on the seed."""
         key = ("ar", tuple(kv for kv in s.ar_key if kv[0] != "seed")) if ar else ("spec", s.key)
         if key not in self.runs:
             from specjax.decoding import compile_decode
@@ -143,6 +143,7 @@ class Runner:
 
             model = self.model(s)
             drafter, dparams = (None, None) if ar else rd.make_drafter(model, s.sampler, s.plan)
+            spec = dataclasses.replace(s.spec, adaptive_k=rd.policy(s.plan, drafter))
             target = quantize_loaded(model, s.quant)
             prompts = harness.prompts(model.tokenizer, s.texts)
             groups = [prompts[i : i + s.batch_size] for i in range(0, len(prompts), s.batch_size)]
@@ -151,7 +152,7 @@ class Runner:
             for g in groups:  # one program per batch size (the last batch may be smaller)
                 if len(g) not in compiled:
                     compiled[len(g)] = compile_decode(
-                        target.cfg, target.graphdef, target.params, g, s.spec, drafter, dparams, bucket
+                        target.cfg, target.graphdef, target.params, g, spec, drafter, dparams, bucket
                     )[0]
 
             def run(seed):
@@ -159,7 +160,7 @@ class Runner:
                     jax.block_until_ready(compiled[len(g)](g, seed=seed + i)) for i, g in enumerate(groups)
                 ]
 
-            self.runs[key] = (run, len(prompts) * s.spec.max_new_tokens, drafter)
+            self.runs[key] = (run, len(prompts) * spec.max_new_tokens, drafter, spec)
         return self.runs[key]
 
 
@@ -205,15 +206,15 @@ def sweep(axes, passthrough: list[str], repeats: int) -> tuple[list[dict], dict]
         if s.plan is None:
             continue  # --drafter=none: the AR row above
         m = metrics.pooled([g.stats for g in outputs[i]])
-        drafter = built[i][2]
-        chain = isinstance(drafter.shape, Chain) and s.spec.adaptive_k is None
+        drafter, adaptive = built[i][2], built[i][3].adaptive_k
+        chain = isinstance(drafter.shape, Chain) and adaptive is None
         iid = harness.tau_iid(m["acceptance_rate"], drafter.shape.depth) if chain else np.nan
         speedup = harness.ratio(times[ar_name], times[i])
         rows.append(
             row(
                 axes,
                 s.values,
-                drafter_label(drafter, s),
+                drafter_label(drafter, adaptive, s),
                 tau=m["tau"],
                 a=m["acceptance_rate"],
                 alpha_i=harness.alphas(m),
@@ -226,8 +227,8 @@ def sweep(axes, passthrough: list[str], repeats: int) -> tuple[list[dict], dict]
     return rows, outputs
 
 
-def drafter_label(drafter, s: Setting) -> str:
-    return f"{s.plan[0].name} {drafter.shape.describe()}"
+def drafter_label(drafter, adaptive, s: Setting) -> str:
+    return f"{s.plan[0].name} {(adaptive or drafter.shape).describe()}"
 
 
 def row(

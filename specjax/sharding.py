@@ -67,6 +67,14 @@ def main_first(name: str):
     return run()
 
 
+def from_main(values: np.ndarray) -> np.ndarray:
+    """Process 0's `values` on every process (the same array back for one process): what a host measured, where
+    every process must feed the compiled program the same numbers."""
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
 def place(tree, shardings):
     """`tree`'s arrays placed by the matching `shardings`, on one process or several (there, an array not yet
     global is given by each process from the whole host copy that every process holds)."""

@@ -4,6 +4,7 @@ acceptance along the text (its histogram of K), K = 0 is a plain AR round taken 
 degenerate single-K case is the fixed-K loop."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,14 @@ from helpers import (
 )
 
 from specjax import verify_exactness
-from specjax.decoding import AdaptiveK, GenerateSpec, SpecStats, generate, speculative_generate
+from specjax.decoding import (
+    AdaptiveK,
+    GenerateSpec,
+    SpecStats,
+    compile_decode,
+    generate,
+    speculative_generate,
+)
 from specjax.decoding.jobs import prepare_speculative
 from specjax.decoding.speculative import calibrate
 from specjax.drafters.draft_model import DraftModel, truncated_target
@@ -344,6 +352,8 @@ def test_errors_before_compile():
         speculative_generate(TINY, graphdef, params, DraftModel(TINY, graphdef, 4), params, RAGGED, spec)
     with pytest.raises(ValueError, match="Lookahead cannot change its draft length per round"):
         speculative_generate(TINY, graphdef, params, Lookahead(), None, RAGGED, spec)
+    with pytest.raises(ValueError, match="adaptive K chooses draft lengths: give a drafter"):
+        compile_decode(TINY, graphdef, params, RAGGED, spec)
     with pytest.raises(ValueError, match="increasing distinct integers >= 0"):
         AdaptiveK((4, 2))
     with pytest.raises(ValueError, match="needs a K >= 1 besides 0"):
@@ -356,11 +366,22 @@ def test_errors_before_compile():
 
 
 def test_cli(capsys, stories):
-    """`--adaptive_k` decodes with the round costs timed before the loop and prints the histogram of K."""
+    """`--adaptive_k` decodes with the round costs timed before the loop and prints the histogram of K. With neither
+    --k nor --tree, a drafter that can change its K runs the default policy (K in 0, 1, 2, 4; `--compare_ar` decodes
+    AR without it); --k fixes K; a drafter that cannot change its K drafts K = 4 chains."""
     module = cli()
     ar = run_cli(module, capsys)
+    story = ar.split("\n|")[0]
     out = run_cli(module, capsys, "--drafter=draft_model", "--draft_layers=4", "--adaptive_k=1,2")
-    assert out.split("\n|")[0] == ar.split("\n|")[0]  # the same story
+    assert out.split("\n|")[0] == story
     assert "adaptive K in {1, 2} (row-rounds by K [0, " in out
+    out = run_cli(module, capsys, "--drafter=draft_model", "--draft_layers=4", "--compare_ar")
+    assert out.split("\n|")[0] == story and "speedup over AR" in out
+    rounds = re.search(r"adaptive K in \{0, 1, 2, 4\} \(row-rounds by K \[(.*)\]\)", out)
+    assert sum(map(int, rounds.group(1).split(","))) > 0
+    out = run_cli(module, capsys, "--drafter=draft_model", "--draft_layers=4", "--k=4")
+    assert out.split("\n|")[0] == story and "\nK=4, acceptance" in out and "adaptive" not in out
+    out = run_cli(module, capsys, "--drafter=lookahead")
+    assert out.split("\n|")[0] == story and "N=5" in out and "adaptive" not in out
     with pytest.raises(ValueError, match="--adaptive_k chooses each round's K itself: drop --k and --tree"):
         run_cli(module, capsys, "--drafter=draft_model", "--adaptive_k=1,2", "--k=2")

@@ -23,7 +23,7 @@ from helpers import (
     run_patched,
 )
 
-from specjax import verify_exactness
+from specjax import acceptance, verify_exactness
 from specjax.decoding import (
     AdaptiveK,
     GenerateSpec,
@@ -184,26 +184,46 @@ def test_choice_follows_acceptance_along_the_text(right_then_wrong):
 # --- sampling is exact ------------------------------------------------------------------------------------
 
 
+TOKENWISE_RESIDUAL = ("specjax.acceptance.rejection.residual", lambda p, q: p)
+
+
 @pytest.mark.parametrize(
-    "ks, costs, prior, new_tokens, first, then, then_at_least",
-    [((1, 3), (1.0, 1.02), 0.1, 8, 1, 3, 20_000), ((0, 3), (1.0, 1.9), 0.99, 4, 3, 0, 1_000)],
-    ids=["1 then 3", "3 then AR rounds"],
+    "ks, costs, prior, new_tokens, first, then, then_at_least, rule, broken",
+    [
+        ((1, 3), (1.0, 1.02), 0.1, 8, 1, 3, 20_000, "tokenwise", TOKENWISE_RESIDUAL),
+        ((0, 3), (1.0, 1.9), 0.99, 4, 3, 0, 1_000, "tokenwise", TOKENWISE_RESIDUAL),
+        (
+            (0, 3),
+            (1.0, 1.9),
+            0.99,
+            4,
+            3,
+            0,
+            1_000,
+            "block",
+            ("specjax.acceptance.block.block_residual", lambda w, p, q: p),
+        ),
+    ],
+    ids=["1 then 3", "3 then AR rounds", "3 then AR rounds, block"],
 )
 def test_sampling_is_exact_while_k_changes(
-    ks, costs, prior, new_tokens, first, then, then_at_least, monkeypatch
+    ks, costs, prior, new_tokens, first, then, then_at_least, rule, broken, monkeypatch
 ):
     """The first four tokens of 20000 decodes against the target's exact distribution (chi-square): every row
     drafts K = 1 in its first round (a pessimistic prior), then K = 3 (the measured acceptance is high, and with 7
     tokens left the batch's slowest rows need fewer rounds of 3); or K = 3
     (an optimistic prior: at 1.9 times an AR round's cost, one round of K = 3 would end nearly every row), then
     plain AR rounds (K = 0: at the measured acceptance the batch's slowest rows would need about as many K = 3
-    rounds as AR rounds) in the rounds of the rows it leaves unfinished."""
+    rounds as AR rounds) in the rounds of the rows it leaves unfinished, verified token-wise or by block
+    verification (whose K = 0 round has nothing to test and draws from the target's p)."""
     graphdef, params = peaked(SMALL, 0)
     dcfg, dgraphdef, dparams = truncated_target(SMALL, params, 1)
     sampler, n, prompt = Sampler(1.0), 20_000, [1, 3]
     exact = verify_exactness.target_distribution(SMALL, graphdef, params, prompt, sampler, 4)
     adaptive = AdaptiveK(ks, costs=costs, **FAST | dict(prior=prior))
-    spec = GenerateSpec(new_tokens, sampler, eos_id=None, adaptive_k=adaptive)
+    spec = GenerateSpec(
+        new_tokens, sampler, eos_id=None, acceptance=acceptance.get(rule), adaptive_k=adaptive
+    )
     drafter = DraftModel(dcfg, dgraphdef, 3, sampler)
     run = lambda: speculative_generate(
         SMALL, graphdef, params, drafter, dparams, [prompt] * n, spec, seed=2
@@ -217,7 +237,7 @@ def test_sampling_is_exact_while_k_changes(
     assert summarize(gen.stats)["acceptance_rate"] < 0.97  # rejections happen
     assert verify_exactness.goodness_of_fit(counts(gen), exact) > 1e-3
     # Negative control: resampling from p instead of the residual must be caught by the same test.
-    broken = run_patched(monkeypatch, "specjax.acceptance.rejection.residual", lambda p, q: p, run)
+    broken = run_patched(monkeypatch, *broken, run)
     assert verify_exactness.goodness_of_fit(counts(broken), exact) < 1e-6
 
 

@@ -67,8 +67,12 @@ def block_residual(weight_B: jax.Array, p_BV: jax.Array, q_BV: jax.Array) -> jax
 def block_outcome(eta_BK: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array | None, p_BKV: jax.Array):
     """(tau [B], the next token's distribution [B, V]) for given uniforms `eta_BK`: the deterministic part of
     block verification, separate so that tests can enumerate it."""
-    h, path = block_weights(draft_BK, q_BKV, p_BKV)
     k = draft_BK.shape[1]
+    if (
+        k == 0
+    ):  # nothing drafted (adaptive K's K = 0 round, a plain round): the next token from the target's p
+        return jnp.zeros(draft_BK.shape[0], jnp.int32), p_BKV[:, 0]
+    h, path = block_weights(draft_BK, q_BKV, p_BKV)
     tau = jnp.max(jnp.where(eta_BK < h, jnp.arange(1, k + 1), 0), axis=1).astype(jnp.int32)
     q = draft_probs(draft_BK, q_BKV, p_BKV.shape[-1], p_BKV.dtype)
     q = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_K = 0: all accepted -> the target's p_K

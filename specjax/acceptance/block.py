@@ -68,9 +68,8 @@ def block_outcome(eta_BK: jax.Array, draft_BK: jax.Array, q_BKV: jax.Array | Non
     """(tau [B], the next token's distribution [B, V]) for given uniforms `eta_BK`: the deterministic part of
     block verification, separate so that tests can enumerate it."""
     k = draft_BK.shape[1]
-    if (
-        k == 0
-    ):  # nothing drafted (adaptive K's K = 0 round, a plain round): the next token from the target's p
+    # nothing drafted (adaptive K's K = 0 round, a plain round): no test, the next token from the target's p
+    if k == 0:
         return jnp.zeros(draft_BK.shape[0], jnp.int32), p_BKV[:, 0]
     h, path = block_weights(draft_BK, q_BKV, p_BKV)
     tau = jnp.max(jnp.where(eta_BK < h, jnp.arange(1, k + 1), 0), axis=1).astype(jnp.int32)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import jax
-import numpy as np
 
 from specjax import sharding
-from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.speculative import measure, speculative_compiled, split
@@ -76,7 +73,7 @@ def compile_decode(
             rounds = lambda m: compiled(
                 **dynamic | dict(measured=m), tokens_BP=tokens, lengths_B=lengths, key=job_key(0)
             )
-            adaptive = agreed(measure(adaptive, lambda m: rounds(m).stats))
+            adaptive = measure(adaptive, lambda m: rounds(m).stats)
             dynamic["measured"] = adaptive.measured()
     compile_s = time.perf_counter() - start
 
@@ -92,13 +89,3 @@ def compile_decode(
         return compiled(**args, tokens_BP=tokens, lengths_B=lengths, key=job_key(seed))
 
     return run, compile_s
-
-
-def agreed(adaptive: AdaptiveK) -> AdaptiveK:
-    """`adaptive` with process 0's measured costs, prior and plain cost on every process (each timed its own): the
-    processes of one program must choose the same K each round."""
-    plain = -1.0 if adaptive.plain_cost is None else adaptive.plain_cost
-    values = sharding.from_main(np.array([*adaptive.costs, adaptive.prior, plain], np.float64))
-    n = len(adaptive.ks)
-    costs, prior, plain = tuple(values[:n].tolist()), float(values[n]), float(values[n + 1])
-    return dataclasses.replace(adaptive, costs=costs, prior=prior, plain_cost=None if plain < 0 else plain)

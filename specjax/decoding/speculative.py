@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import precision
+from specjax import precision, sharding
 from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
@@ -373,7 +373,7 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
     batch 8) and their costs over a plain round's differed from those by no more than two runs of 32 x 9 differed
     from each other (up to 8%).
     Prior: the acceptance rate of all draft positions over `rounds` rounds at the largest K (kept within
-    [0.05, 0.95])."""
+    [0.05, 0.95]). With several processes, all take process 0's measurements (`agreed`)."""
     if adaptive.costs is not None and adaptive.prior is not None:
         return adaptive
     timed = lambda index, n: jax.block_until_ready(run(adaptive.measured(index, n)))
@@ -399,7 +399,17 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
         adaptive = dataclasses.replace(adaptive, costs=tuple(costs[: len(adaptive.ks)]))
         if plain:
             adaptive = dataclasses.replace(adaptive, plain_cost=costs[-1])
-    return adaptive
+    return agreed(adaptive)
+
+
+def agreed(adaptive: AdaptiveK) -> AdaptiveK:
+    """`adaptive` with process 0's measured costs, prior and plain cost on every process (each timed its own): the
+    processes of one program must choose the same K each round."""
+    plain = -1.0 if adaptive.plain_cost is None else adaptive.plain_cost
+    values = sharding.from_main(np.array([*adaptive.costs, adaptive.prior, plain], np.float64))
+    n = len(adaptive.ks)
+    costs, prior, plain = tuple(values[:n].tolist()), float(values[n]), float(values[n + 1])
+    return dataclasses.replace(adaptive, costs=costs, prior=prior, plain_cost=None if plain < 0 else plain)
 
 
 def speculative_generate(

@@ -132,8 +132,9 @@ def test_meshes_that_do_not_divide_are_refused(cfg, batch, shape, message):
 
 def test_two_processes_decode_like_one():
     """run_decode.py as 2 processes of 4 CPU devices (jax.distributed, gloo) on a data:2,model:4 mesh prints
-    what one process on one device prints; the other process prints nothing. Both choose each round's K (K = 0 or
-    2) from process 0's timed costs (`speculative.agreed`), as the default policy does (its four Ks cost 2.5x the time)."""
+    what one process on one device prints; the other process prints nothing. Both choose each round's K (K = 0
+    or 2) from process 0's timed costs (`speculative.agreed`), as the default policy does (its four Ks cost 2.5x
+    the time)."""
     args = [
         sys.executable,
         str(REPO / "run_decode.py"),

@@ -101,7 +101,7 @@ def _block_logits(graphdef, params, seqs_BS, taps_BSF, anchors_B, k: int, mask_t
     )
     head = nnx.merge(graphdef, params["head"])
     positions = anchors[:, :, None] + jnp.arange(k + 1)
-    x = head.blocks(jnp.take(params["embed"], block, axis=0), positions, taps_BSF, anchors)
+    x = head.blocks(head.embed(params["embed"], block), positions, taps_BSF, anchors)
     return jnp.einsum("bid,vd->biv", x[:, 0, 1:], params["unembed"]).astype(jnp.float32)
 
 

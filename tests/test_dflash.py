@@ -27,12 +27,18 @@ from specjax.training.losses import target_features
 LAYERS = (1, 0)
 
 
-def dflash(cfg, params, n_layers=2, block_size=4, seed=3, confidence=False):
-    """(meta, graphdef, head params) of a fresh DFlash head."""
+def dflash(cfg, params, n_layers=2, block_size=4, seed=3, confidence=False, learned_masks=False):
+    """(meta, graphdef, head params) of a fresh DFlash head; learned MASK embeddings moved off their start."""
     shape = {"layers": list(LAYERS), "n_layers": n_layers, "block_size": block_size, "mask_token": 0}
-    shape |= {"confidence": True} if confidence else {}
+    shape |= ({"confidence": True} if confidence else {}) | (
+        {"learned_masks": True} if learned_masks else {}
+    )
     meta = heads.describe("dflash", shape, cfg)
-    return (meta, *heads.new_heads(meta, cfg, params, seed))
+    graphdef, hparams = heads.new_heads(meta, cfg, params, seed)
+    if learned_masks:
+        noise = np.random.default_rng(seed).standard_normal(hparams["masks"].shape)
+        hparams["masks"] = hparams["masks"] + jnp.asarray(noise, hparams["masks"].dtype)
+    return meta, graphdef, hparams
 
 
 def drafter(cfg, params, head, k, sampler=Sampler(), tree=None):  # noqa: B008 (frozen)
@@ -81,7 +87,7 @@ def training_case():
     graphdef, params = TARGET
     tokens = jnp.asarray(np.random.default_rng(2).integers(3, TINY.vocab_size, (2, 14)), jnp.int32)
     feats = target_features(TINY, graphdef, params, tokens, LAYERS)
-    meta, hgraph, hparams = dflash(TINY, params, block_size=4, confidence=True)
+    meta, hgraph, hparams = dflash(TINY, params, block_size=4, confidence=True, learned_masks=True)
     return hgraph, heads.drafter_params(meta, hparams, TINY, params), feats, tokens
 
 
@@ -117,7 +123,7 @@ def test_training_blocks_are_the_drafting_pass(training_case):
     @precision.follows_params
     def trained(dparams):
         head = nnx.merge(hgraph, dparams["head"])
-        x = head.blocks(jnp.take(dparams["embed"], block, axis=0), positions, feats[..., :n], anchors)
+        x = head.blocks(head.embed(dparams["embed"], block), positions, feats[..., :n], anchors)
         return jnp.einsum("bntd,vd->bntv", x, dparams["unembed"])
 
     got = trained(dparams)
@@ -147,6 +153,34 @@ def test_loss_reaches_every_head_parameter(training_case):
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dparams)
     assert np.isfinite(float(value)) and 1.0 <= float(metrics["tau_greedy"]) <= 4.0
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["head"]))
+
+
+def test_learned_masks_are_the_block_inputs(training_case):
+    """A head's learned MASK embeddings are its block's inputs after the anchor: at their start (the target's
+    embedding of mask_token) it drafts what the same head without them drafts; moved, it drafts otherwise."""
+    hgraph, dparams, feats, tokens = training_case
+    plain_meta, plain_graph, _ = dflash(TINY, TARGET[1], block_size=4, confidence=True)
+    plain = dparams | {"head": {k: v for k, v in dparams["head"].items() if k != "masks"}}
+    start = dparams | {"head": dparams["head"] | {"masks": jnp.tile(dparams["embed"][:1], (3, 1))}}
+    depth = forward_depth(2) + 2
+    want = drafted_logits(plain_graph, plain, feats, tokens, 5, 4)
+    assert_close(drafted_logits(hgraph, start, feats, tokens, 5, 4), want, dtype=jnp.float32, depth=depth)
+    assert_far(drafted_logits(hgraph, dparams, feats, tokens, 5, 4), want, dtype=jnp.float32, depth=depth)
+
+
+def test_learned_masks_bound_the_draft(training_case):
+    """A head with learned MASK embeddings drafts at most its block's B - 1 tokens (in every K adaptive K may
+    choose), and z-lab's layout, which has one MASK, refuses it."""
+    from specjax.drafters import dflash_zlab
+    from specjax.errors import DrafterError
+
+    graphdef, params = TARGET
+    meta, hgraph, hparams = dflash(TINY, params, block_size=4, learned_masks=True)
+    d, _ = drafter(TINY, params, (meta, hgraph, hparams), 3)
+    with pytest.raises(DrafterError, match="k=4 is longer than this DFlash head's block of 4"):
+        d.with_k(4)
+    with pytest.raises(HeadsError, match="learned a MASK embedding per block position"):
+        dflash_zlab.published_files(meta, jax.tree.map(np.asarray, hparams), TINY)
 
 
 def test_head_for_another_target_is_refused():
@@ -246,9 +280,10 @@ def test_expanded_head_drafts_the_same_distributions(stories):
     e = expand.SMOKE
     big = expand.expand(stories.cfg, stories.params, e)
     shape = {"layers": [0, 2, 4], "n_layers": 2, "block_size": 8, "mask_token": 0, "confidence": True}
-    meta = heads.describe("dflash", shape, stories.cfg)
+    meta = heads.describe("dflash", shape | {"learned_masks": True}, stories.cfg)
     graphdef, hparams = heads.new_heads(meta, stories.cfg, stories.params, 1)
-    hparams = jax.tree.map(lambda x: 3 * x if x.ndim == 2 else x, hparams)  # drafts far from uniform
+    # drafts far from uniform, learned MASK embeddings off their start
+    hparams = jax.tree.map(lambda x: 3 * x if x.ndim == 2 else x, hparams)
     big_head = expand.expand_heads(meta, hparams, stories.cfg, big[0], big[2], e)
     tokens = jnp.asarray([stories.tokenizer.encode("Once upon a time there was a little dog")], jnp.int32)
     n = tokens.shape[1] - 1

@@ -32,7 +32,7 @@ from specjax.drafters import dflash_zlab
 from specjax.drafting import registry
 from specjax.drafting.protocol import KOrTree, target_io, target_signature
 from specjax.drafting.trees import DynamicTree, Tree
-from specjax.errors import HeadsError
+from specjax.errors import DrafterError, HeadsError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, apply_rope, init_cache, rope_angles
 from specjax.sampling import Sampler
@@ -78,8 +78,10 @@ class DFlashLayer(Block):
 
 
 class DFlashHead(nnx.Module):
-    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, confidence: bool, rngs: nnx.Rngs):
+    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, confidence: bool, rngs: nnx.Rngs, masks=None):
         dt, dim = jnp.dtype(draft_cfg.dtype), draft_cfg.dim
+        # learned MASK embeddings [B - 1, H], one per block position (None: the target's embedding of mask_token)
+        self.masks = None if masks is None else nnx.Param(jnp.asarray(masks, dt))
         self.fc = Linear(n_taps * dim, dim, False, dt, rngs)
         self.hidden_norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
         self.layers = nnx.List([DFlashLayer(draft_cfg, i, rngs) for i in range(draft_cfg.n_layers)])
@@ -88,6 +90,16 @@ class DFlashHead(nnx.Module):
         # sampled (T = 1)
         self.confidence = Linear(dim, 2, True, dt, rngs) if confidence else None
         self.inv_freq = tuple(float(f) for f in draft_cfg.inv_freq())
+
+    def embed(self, embed_VH, tokens_BxT):
+        """The block's inputs [..., T, H]: the tokens' embeddings, with block positions >= 1 given the learned MASK
+        embeddings where the head has them."""
+        x = jnp.take(embed_VH, tokens_BxT, axis=0)
+        if self.masks is None:
+            return x
+        t = tokens_BxT.shape[-1]
+        masks = jnp.broadcast_to(self.masks[...][: t - 1], (*x.shape[:-2], t - 1, x.shape[-1]))
+        return jnp.concatenate([x[..., :1, :], masks.astype(x.dtype)], -2)
 
     def context(self, taps_BNF):
         """The fused context features [B, N, H] from the target's tapped layers [B, N, n_taps * H]."""
@@ -156,10 +168,10 @@ def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:
 
 
 def init_dflash(
-    target_cfg: LlamaConfig, n_layers: int, n_taps: int, confidence: bool = False, seed: int = 0
+    target_cfg: LlamaConfig, n_layers: int, n_taps: int, confidence: bool = False, seed: int = 0, masks=None
 ):
-    """(graphdef, params as a pure dict) of a fresh head."""
-    head = DFlashHead(draft_config(target_cfg, n_layers), n_taps, confidence, nnx.Rngs(seed))
+    """(graphdef, params as a pure dict) of a fresh head; `masks` [B - 1, H]: learned MASK embeddings' start."""
+    head = DFlashHead(draft_config(target_cfg, n_layers), n_taps, confidence, nnx.Rngs(seed), masks)
     graphdef, state = nnx.split(head)
     return graphdef, nnx.to_pure_dict(state)
 
@@ -177,9 +189,8 @@ def dflash_block(graphdef, params, tokens_BT, positions_BT, cache):
     """(logits [B, T, V] float32, confidence logits [B, T, 2] float32 or None) of the block `tokens_BT` over the
     committed context; position i >= 1 is the distribution of draft token i. `params` = {"head", "embed",
     "unembed"}."""
-    embeds = jnp.take(params["embed"], tokens_BT, axis=0)
     head = nnx.merge(graphdef, params["head"])
-    x = head(embeds, positions_BT, cache)
+    x = head(head.embed(params["embed"], tokens_BT), positions_BT, cache)
     logits = jnp.einsum("btd,vd->btv", x, params["unembed"]).astype(jnp.float32)
     return logits, None if head.confidence is None else head.confidence(x).astype(jnp.float32)
 
@@ -207,6 +218,15 @@ class DFlash(KOrTree):
     has_confidence: bool = False  # the head has a confidence head
     confidence: bool = True  # size each chain's verified prefix with it (where the head has one)
     verify_cost: float = 0.1  # the cost of verifying one more token, relative to a round's fixed cost
+    max_k: int = 0  # the longest draft the head has MASK embeddings for (learned masks: B - 1; 0: any)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_k and self.k > self.max_k:
+            raise DrafterError(
+                f"k={self.k} is longer than this DFlash head's block of {self.max_k + 1} (it learned one MASK "
+                f"embedding per block position): draft k <= {self.max_k} or train a head with a larger block_size"
+            )
 
     @property
     def verify_lengths(self) -> tuple[int, ...]:
@@ -326,7 +346,7 @@ def dflash_loss(
     positions = anchors[:, :, None] + offsets  # [B, N, T_block]
     block = jnp.where(offsets == 0, jnp.take_along_axis(tokens_BT, anchors, 1)[:, :, None], mask_token)
     head = nnx.merge(graphdef, params["head"])
-    x = head.blocks(jnp.take(params["embed"], block, axis=0), positions, taps, anchors)[:, :, 1:]
+    x = head.blocks(head.embed(params["embed"], block), positions, taps, anchors)[:, :, 1:]
     logits = jnp.einsum("bnid,vd->bniv", x, params["unembed"]).astype(jnp.float32)
     # token a + i; its target distribution is at a + i - 1
     predicted = jnp.minimum(positions[:, :, 1:], t - 1)
@@ -376,6 +396,9 @@ class DFlashTraining:
     divergence: str = "forward_kl"
     mask_token: int = 0  # the target token whose embedding is MASK (stories260K's <unk>)
     confidence: bool = False  # train a confidence head (DSpark) beside the draft
+    # MASK as a learned embedding per block position, started at the target's embedding of mask_token (False: that
+    # embedding everywhere, as z-lab's heads, whose layout has no place for learned ones)
+    learned_masks: bool = False
     confidence_weight: float = 1.0  # its loss's weight
     RULES: ClassVar = {
         "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
@@ -402,13 +425,31 @@ def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
             f"{target_cfg.n_layers} layers or {target_cfg.vocab_size} tokens; choose ones it has"
         )
     shape = dict(layers=layers, n_layers=h.n_layers, block_size=h.block_size, mask_token=h.mask_token)
-    return shape | ({"confidence": True} if h.confidence else {})
+    return (
+        shape
+        | ({"confidence": True} if h.confidence else {})
+        | ({"learned_masks": True} if h.learned_masks else {})
+    )
+
+
+def init_head(shape: dict, cfg: LlamaConfig, target_params, seed: int):
+    """(graphdef, params) of a fresh head of `shape` (heads.json's) for the target."""
+    masks = None
+    if shape.get("learned_masks"):
+        mask = np.asarray(target_io(cfg, target_params)["embed"][shape["mask_token"]])
+        masks = np.repeat(mask[None], shape["block_size"] - 1, 0)
+    return init_dflash(
+        cfg, shape["n_layers"], len(shape["layers"]), shape.get("confidence", False), seed, masks
+    )
 
 
 def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> DFlash:
     draft_cfg = draft_config(cfg, shape["n_layers"])
     layers, confidence = tuple(shape["layers"]), shape.get("confidence", False)
-    return DFlash(draft_cfg, graphdef, k, sampler, tree, layers, shape["mask_token"], confidence)
+    max_k = shape["block_size"] - 1 if shape.get("learned_masks") else 0
+    return DFlash(
+        draft_cfg, graphdef, k, sampler, tree, layers, shape["mask_token"], confidence, max_k=max_k
+    )
 
 
 def drafter_params(shape, params, cfg, target_params) -> dict:
@@ -463,6 +504,8 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
         "layers": layers,
         "norm": {"weight": ex.norm(p["norm"]["weight"])},
     }
+    if "masks" in p:  # embeddings, padded as the target's are
+        new["masks"] = ex.pad(np.asarray(p["masks"]), (p["masks"].shape[0], d2))
     if "confidence" in p:  # reads the final features: zero columns for their extra (zero) dims
         w = p["confidence"]["weight"]
         new["confidence"] = {"weight": ex.pad(w, (w.shape[0], d2)), "bias": p["confidence"]["bias"]}
@@ -485,9 +528,7 @@ heads.register(
     "dflash",
     registry.TrainedHeads(
         settings=DFlashTraining,
-        init=lambda shape, cfg, target_params, seed: init_dflash(
-            cfg, shape["n_layers"], len(shape["layers"]), shape.get("confidence", False), seed
-        ),
+        init=init_head,
         drafter_params=drafter_params,
         drafter=make_drafter,
         loss=lambda graphdef, cfg, params, feats, tokens, mask, key, h: dflash_loss(

@@ -215,6 +215,12 @@ def _layer_tensors(layer: dict, prefix: str, cfg: LlamaConfig) -> dict:
 def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
     """(tensors, config.json) of specjax's DFlash head `p` (numpy) in z-lab's layout (without a confidence head)."""
     shape = meta["shape"]
+    if shape.get("learned_masks"):
+        raise HeadsError(
+            "this DFlash head learned a MASK embedding per block position; z-lab's layout has one MASK, the target's "
+            "embedding of mask_token_id, and cannot hold them: export it as specjax heads (python -m specjax.heads "
+            "export WORKDIR DEST) or train a head with heads.learned_masks=False"
+        )
     if max(shape["layers"]) >= cfg.n_layers - 1:
         raise HeadsError(
             f"this DFlash head taps target layers {shape['layers']}, among them the last ({cfg.n_layers - 1}), "

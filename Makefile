@@ -33,8 +33,14 @@ $(VENV)/.tables: $(VENV)/.base
 	$(COMPILE)
 	touch $@
 
+# specjax's CPU kernel for products of several rows (specjax/kernels), built for this machine; without a C++
+# compiler it is not built and those products stay XLA's
+KERNEL := specjax/kernels/packed_matmul.so
+$(KERNEL): specjax/kernels/packed_matmul.cc | $(VENV)/.base
+	$(PY) -m specjax.kernels
+
 .PHONY: demo test bench heads tables
-demo: $(VENV)/.base
+demo: $(VENV)/.base $(KERNEL)
 	$(PY) run_decode.py
 
 # The tests run with jemalloc where the machine has it (Debian's libjemalloc2, which CI's .ci/run installs), keeping
@@ -45,23 +51,23 @@ ifneq ($(JEMALLOC),)
 TEST_ENV := LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1
 endif
 
-test: $(VENV)/.test
+test: $(VENV)/.test $(KERNEL)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(TEST_ENV) $(PY) -m pytest -q -n 3 --dist loadscope --no-loadscope-reorder --durations=30 tests
 
-bench: $(VENV)/.test
+bench: $(VENV)/.test $(KERNEL)
 	$(PY) -m experiments.bench_ar
 
 # The paper-style tables and plots (Leviathan's Theorem 3.8, every drafter by prompt category, heads, sweeps) into
 # results/, each file stamped with commit, date, device and command.
-tables: $(VENV)/.tables
+tables: $(VENV)/.tables $(KERNEL)
 	$(PY) -m experiments.tables
 
 # Speculative decoding on stories260K expanded to a memory-bound 372 MB target (synthetic cost, real distribution):
 # verify-cost curve, bandwidth and FLOP/s, every drafter at T=0/1 and batch 1/4 (about an hour on 2 busy cores).
 .PHONY: bench-memory
-bench-memory: $(VENV)/.base
+bench-memory: $(VENV)/.base $(KERNEL)
 	$(PY) -m experiments.bench_memory_bound
 
 # Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, the parallel EAGLE-3 head

@@ -139,9 +139,9 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
         "verify": (b, k + 1, one_k.cache_size),
         "prefill": (b, width, ar_cache),
     } | {("prefill_1", w): (1, w, ar_cache) for w in widths}
-    in_out, fns = costs.on_cpu_in_out(graphdef, params), {}
+    multi_row, fns = costs.on_cpu_multi_row(graphdef, params), {}
     for name, (rows, t, size) in passes.items():
-        g, p = costs.as_decoded(rows * t, (graphdef, params), in_out)
+        g, p = costs.as_decoded(rows * t, (graphdef, params), multi_row)
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
     fns["head"] = head_call(loaded, "eagle3", target, b, calls, one_k.cache_size)
     cost = {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
@@ -149,7 +149,7 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     at = np.searchsorted(widths, [len(p) for p in prompts[b:]])
     cost["refills"] = sum(cost["prefill_1", widths[i]] for i in at)
     # the loop's target as compile_decode runs a drafter's job
-    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), in_out)
+    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), multi_row)
     for method, (drafter, dparams) in drafters.items():
         tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
         loop = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, job)

@@ -259,11 +259,11 @@ def measure_curve(settings: Settings, small, target, draft_model, loaded):
     fns |= {f"read {name}": fn for name, fn in readers.items()}
     flop, fns["matmul"] = costs.matmul_fn()
     for name, (c, g, p, batches) in targets.items():
-        in_out = costs.on_cpu_in_out(g, p)
+        multi_row = costs.on_cpu_multi_row(g, p)
         for b in batches:
             for t in settings.curve:
                 fns[(name, b, t)] = costs.target_pass(
-                    c, *costs.as_decoded(b * t, (g, p), in_out), b, t, settings.calls
+                    c, *costs.as_decoded(b * t, (g, p), multi_row), b, t, settings.calls
                 )
             if name == "expanded":
                 fns |= drafter_calls(settings, target, draft_model, loaded, b)
@@ -580,10 +580,10 @@ def batch_sweep(settings: Settings, small, target, loaded, chain_k: int) -> list
     cfg, graphdef, params = target
     groups = {b: [small.tokenizer.encode(p) for p in (PROMPTS * b)[:b]] for b in settings.sweep_batches}
     width = costs.prompt_width(list(groups.values()))
-    fns, in_out = {}, costs.on_cpu_in_out(graphdef, params)
+    fns, multi_row = {}, costs.on_cpu_multi_row(graphdef, params)
     for b in settings.sweep_batches:
         for t in (1, chain_k + 1, width):
-            g, p = costs.as_decoded(b * t, (graphdef, params), in_out)
+            g, p = costs.as_decoded(b * t, (graphdef, params), multi_row)
             fns[(b, t)] = costs.target_pass(cfg, g, p, b, t, settings.calls)
         fns[(b, "head")] = head_call(loaded, "eagle3", target, b, settings.calls)
     cost = costs.fastest(fns, max(settings.repeats, 5))

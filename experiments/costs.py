@@ -14,7 +14,7 @@ import numpy as np
 
 from experiments import harness
 from specjax.analysis import expected_batch_rounds, tokens_per_round
-from specjax.models.llama import causal_mask, forward, in_out_layout, init_cache
+from specjax.models.llama import causal_mask, forward, init_cache, multi_row_layout
 
 CURVE_CACHE = 192  # slots of the cache a timed pass sees, half of them committed
 
@@ -70,15 +70,17 @@ def per_call_seconds(
     return harness.median_time(target_pass(cfg, graphdef, params, 1, t, calls, cache_size), repeats) / calls
 
 
-def as_decoded(rows: int, plain, in_out):
+def as_decoded(rows: int, plain, multi_row):
     """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: on one CPU, linear
-    layers stored [out, in] for one row, [in, out] (`in_out`) for several; elsewhere always [out, in]."""
-    return plain if rows == 1 or jax.default_backend() != "cpu" else in_out
+    layers stored [out, in] for one row, laid out for several rows (`multi_row`) for several; elsewhere always
+    [out, in]."""
+    return plain if rows == 1 or jax.default_backend() != "cpu" else multi_row
 
 
-def on_cpu_in_out(graphdef, params):
-    """The [in, out] copy of the target `as_decoded` uses on one CPU (None elsewhere: no second copy)."""
-    return in_out_layout(graphdef, params) if jax.default_backend() == "cpu" else None
+def on_cpu_multi_row(graphdef, params):
+    """The copy of the target laid out for several rows that `as_decoded` uses on one CPU
+    (`specjax.models.llama.multi_row_layout`; None elsewhere: no second copy)."""
+    return multi_row_layout(graphdef, params) if jax.default_backend() == "cpu" else None
 
 
 # --- drafter calls ------------------------------------------------------------------------------------------

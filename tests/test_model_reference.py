@@ -20,6 +20,7 @@ from specjax.models.llama import (
     in_out_layout,
     init_cache,
     init_params,
+    multi_row_layout,
     rope_angles,
 )
 from specjax.models.weights import params_from_hf, read_safetensors
@@ -199,13 +200,15 @@ def test_linear_matches_one_matrix_product(rows, n_out, in_out):
     assert_close(got, want, dtype=jnp.float32, depth=2)
 
 
+@pytest.mark.parametrize("layout", [in_out_layout, multi_row_layout])
 @pytest.mark.parametrize("name", ["llama_mha_untied_bias", "llama_gqa_tied"])
-def test_in_out_layout_is_the_same_function(name):
-    """The model with its linear layers stored [in, out] (what `compile_decode` runs on CPU for passes of several
-    rows) gives the original's logits to float32 rounding, over 1 and several tokens."""
+def test_multi_row_layouts_are_the_same_function(name, layout):
+    """The model with its linear layers stored [in, out], or packed for specjax's CPU kernel where it is built
+    (what `compile_decode` runs on CPU for passes of several rows), gives the original's logits to float32
+    rounding, over 1 and several tokens."""
     cfg = CONFIGS[name]
     graphdef, params = init_params(cfg, seed=3)
-    g2, p2 = in_out_layout(graphdef, params)
+    g2, p2 = layout(graphdef, params)
     tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, cfg.vocab_size)
     for t in (1, 7):
         pos = jnp.broadcast_to(jnp.arange(t), (2, t))

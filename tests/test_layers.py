@@ -19,7 +19,7 @@ LAYERS = [
         "foundations",
         "specjax specjax.models specjax.drafters specjax.drafting specjax.training specjax.files specjax.sampling "
         "specjax.cache specjax.metrics specjax.analysis specjax.results specjax.tokenizer specjax.models.config "
-        "specjax.drafting.registry specjax.precision specjax.errors specjax.hf_import",
+        "specjax.drafting.registry specjax.precision specjax.errors specjax.hf_import specjax.kernels.",
     ),
     ("model", "specjax.models.llama specjax.models.weights specjax.models.quantize specjax.sharding "
      "specjax.drafting.layouts"),

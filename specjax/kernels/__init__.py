@@ -22,6 +22,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import MissingInputError
+
 HERE = Path(__file__).parent
 SOURCE = HERE / "packed_matmul.cc"
 LIBRARY = HERE / "packed_matmul.so"
@@ -49,12 +51,12 @@ def _provenance(compiler: str) -> dict:
 
 
 def build() -> Path:
-    """Compiles the kernel for this machine (-march=native) into LIBRARY; raises RuntimeError without a
-    C++ compiler."""
+    """Compiles the kernel for this machine (-march=native) into LIBRARY; MissingInputError without a C++
+    compiler."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        raise RuntimeError(
-            "no C++ compiler (g++) found: install one (apt-get install g++) to build the CPU kernel"
+        raise MissingInputError(
+            "no C++ compiler (g++) found; install one (apt-get install g++) to build the CPU kernel"
         )
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     tmp = LIBRARY.with_suffix(".so.tmp")
@@ -97,7 +99,11 @@ def pack(w_OI: jax.Array) -> jax.Array:
 
 
 def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int) -> jax.Array:
-    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU only; `available()` first)."""
+    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`)."""
+    if not available():
+        raise MissingInputError(
+            "specjax's CPU kernel is not built for this source and CPU; run make (python -m specjax.kernels)"
+        )
     rows = x_RI.shape[0]
     out = jax.ShapeDtypeStruct((rows, w_PIC.shape[0] * PANEL), jnp.float32)
     y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_RI, w_PIC)

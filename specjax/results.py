@@ -40,7 +40,8 @@ def _commit() -> str:
     return head + ("+uncommitted changes" if dirty else "")
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """The host CPU's model name (/proc/cpuinfo), else what the platform reports."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -56,7 +57,7 @@ def device() -> str:
 
     devices = jax.devices()
     kind = devices[0].device_kind if devices[0].platform != "cpu" else "CPU"
-    return f"{len(devices)} x {kind} ({jax.default_backend()}), host {_cpu()}, {os.cpu_count()} cores"
+    return f"{len(devices)} x {kind} ({jax.default_backend()}), host {cpu_name()}, {os.cpu_count()} cores"
 
 
 def stamp(command: str | None = None) -> dict:

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import json
 import logging
-import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.errors import MissingInputError
+from specjax.results import cpu_name
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "packed_matmul.cc"
@@ -32,20 +32,10 @@ PANEL = 32  # output columns per packed panel (the kernel's constant)
 TARGET = "specjax_packed_matmul"
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _provenance(compiler: str) -> dict:
     return {
         "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "compiler": compiler,
     }
 

@@ -1,9 +1,9 @@
 // y[M, P * 32] = x[M, K] @ W, W packed as P panels [K, 32] (32 output columns each, k-major): a matrix product of
 // few rows that streams each weight once, for XLA CPU (specjax/kernels/__init__.py builds and calls it).
 //
-// Eight rows and one panel pair at a time: every weight vector loaded feeds one fused multiply-add per row, held
-// in 16 accumulators of 16 floats; the panels are shared with XLA's intra-op threads. Written with GCC vector extensions,
-// which -march=native compiles to the host's widest vectors (AVX-512, or two AVX2 halves).
+// Up to eight rows and one panel (two vectors of 16 floats) at a time: every weight vector loaded feeds one fused
+// multiply-add per row, into at most 16 accumulators held in registers; the panels are shared with XLA's intra-op
+// threads. GCC vector extensions, which -march=native compiles to the host's widest vectors (AVX-512, or AVX2).
 #include <algorithm>
 #include <atomic>
 #include <cstddef>

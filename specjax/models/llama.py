@@ -138,8 +138,9 @@ def in_out_layout(graphdef, params):
 
 def multi_row_layout(graphdef, params):
     """The model laid out for passes of several rows on XLA CPU, the same function: float32 linear layers packed for
-    specjax's CPU kernel where it is built (`specjax.kernels`), the others stored [in, out] (`in_out_layout`)."""
-    packed = kernels.available()
+    specjax's CPU kernel where it is built and the backend is the CPU (`specjax.kernels`), the others stored
+    [in, out] (`in_out_layout`)."""
+    packed = jax.default_backend() == "cpu" and kernels.available()
     return replace_linears(
         graphdef,
         params,

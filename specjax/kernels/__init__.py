@@ -65,10 +65,8 @@ def available() -> bool:
     """Whether the kernel is built for this source and this CPU, and registered with XLA CPU (once)."""
     if not (LIBRARY.is_file() and PROVENANCE.is_file()):
         return False
-    recorded = json.loads(PROVENANCE.read_text())
-    if {k: recorded.get(k) for k in ("source_sha256", "cpu")} != {
-        k: v for k, v in _provenance("").items() if k != "compiler"
-    }:
+    recorded, now = json.loads(PROVENANCE.read_text()), _provenance("")
+    if any(recorded.get(key) != now[key] for key in ("source_sha256", "cpu")):
         logging.warning(
             "the CPU kernel %s was built from another source or CPU: products stay XLA's (run make)",
             LIBRARY,

@@ -25,7 +25,8 @@ static void rows_by_panel(const float* x, int64_t k_len, const float* w, float* 
   v16 lo[R] = {}, hi[R] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     const v16 w_lo = load(w + k * 32), w_hi = load(w + k * 32 + 16);
-    __builtin_prefetch(w + (k + 8) * 32);
+    __builtin_prefetch(w + (k + 32) * 32);  // both cache lines of the row 32 steps ahead: 4 KiB in flight
+    __builtin_prefetch(w + (k + 32) * 32 + 16);
     for (int t = 0; t < R; ++t) {
       const float s = x[t * k_len + k];
       lo[t] += s * w_lo;

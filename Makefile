@@ -33,10 +33,10 @@ $(VENV)/.tables: $(VENV)/.base
 	$(COMPILE)
 	touch $@
 
-# specjax's CPU kernel for products of several rows (specjax/kernels), built for this machine; without a C++
-# compiler it is not built and those products stay XLA's
-KERNEL := specjax/kernels/packed_matmul.so
-$(KERNEL): specjax/kernels/packed_matmul.cc | $(VENV)/.base
+# specjax's CPU kernels for passes of several rows (products, attention; specjax/kernels), built for this machine;
+# without a C++ compiler they are not built and XLA's stay in use
+KERNEL := specjax/kernels/specjax_cpu.so
+$(KERNEL): $(wildcard specjax/kernels/*.cc specjax/kernels/*.h) | $(VENV)/.base
 	$(PY) -m specjax.kernels
 
 .PHONY: demo test bench heads tables

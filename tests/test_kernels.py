@@ -1,6 +1,7 @@
-"""specjax's CPU kernel (`specjax.kernels`): built by make wherever a C++ compiler is; its product equals the
+"""specjax's CPU kernels (`specjax.kernels`): built by make wherever a C++ compiler is; the product equals the
 float64 product to float32 rounding for any rows, widths and ragged panels (a model laid out for it is
-test_model_reference's); a build recorded for another source is refused."""
+test_model_reference's), attention equals float64 attention for any heads, tokens and masks (a model running it:
+every model test on the CPU); a build recorded for another source is refused."""
 
 import shutil
 
@@ -37,8 +38,48 @@ def test_product_equals_float64(rows, n_in, n_out):
 
 
 @built
+@pytest.mark.parametrize(
+    "b, kv, g, t, slots, d", [(1, 8, 2, 1, 192, 32), (3, 2, 3, 5, 40, 20), (2, 1, 1, 4, 17, 64)]
+)
+def test_attention_equals_float64(b, kv, g, t, slots, d):
+    """Masked slots, slots past every token's last visible one, and a token that sees none (XLA's softmax over
+    scores all at the float minimum: the uniform average of every slot's value)."""
+    rng = np.random.default_rng(slots)
+    q, k, v = (
+        rng.standard_normal(shape) for shape in ((b * kv, g * t, d), (b * kv, slots, d), (b * kv, d, slots))
+    )
+    visible = rng.random((b, t, slots)) < 0.5
+    visible[:, :, slots // 2 :] = False
+    visible[-1, -1] = False
+    scale = d**-0.5
+    got = jax.jit(kernels.decode_attention, static_argnums=4)(
+        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)), jnp.asarray(visible), scale
+    )
+    seen = np.repeat(visible, kv, axis=0)[:, np.arange(g * t) % t]  # [b * kv, g * t, slots]
+    scores = np.where(seen, np.einsum("xrd,xsd->xrs", q, k) * scale, np.finfo(np.float32).min)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("xrs,xds->xrd", probs / probs.sum(-1, keepdims=True), v)
+    assert np.allclose(want[-1, -1], v[-1].mean(-1))  # the blind token's row
+    # scores (a sum of d products), softmax, then a sum over the slots
+    assert_close(got, want, dtype=jnp.float32, depth=int(np.ceil(np.log2(d * slots))) + 2)
+
+
+@built
+def test_attention_is_differentiable_as_xla_attention():
+    """A head trained on the CPU differentiates the kernel: its derivatives are those of XLA's attention."""
+    rng = np.random.default_rng(0)
+    shapes = ((4, 6, 16), (4, 20, 16), (4, 16, 20))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes)
+    visible = jnp.asarray(rng.random((2, 3, 20)) < 0.5)
+    loss = lambda f: lambda q, k, v: (f(q, k, v, visible, 0.25) ** 2).sum()
+    got = jax.grad(loss(kernels.decode_attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(kernels.reference_attention), argnums=(0, 1, 2))(q, k, v)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@built
 def test_a_stale_build_is_refused(tmp_path, monkeypatch):
-    provenance = tmp_path / "packed_matmul.json"
+    provenance = tmp_path / "specjax_cpu.json"
     provenance.write_text(
         kernels.PROVENANCE.read_text().replace('"source_sha256": "', '"source_sha256": "0')
     )

@@ -1,10 +1,15 @@
-"""A matrix product of few rows for XLA CPU that reads each weight once (`packed_matmul.cc`, an XLA FFI handler).
+"""specjax's CPU kernels for decoding passes of a few rows, XLA FFI handlers in one library:
 
-XLA CPU's product of 2 to 16 rows re-reads a memory-bound layer's matrix (8 rows of the expanded stories260K's
-[512, 4096] products: 1.6-1.8 one-row products, `docs/benchmarks.md`); this kernel streams the matrix once, packed
-as panels of 32 output columns, and feeds every weight it loads to all rows. `python -m specjax.kernels` (run by
-`make`) compiles it for this machine beside its source, with its provenance (source hash, CPU, compiler) in
-`packed_matmul.json`; a missing, stale or foreign build is not used, and products stay XLA's.
+- `packed_matmul` (`packed_matmul.cc`): XLA CPU's product of 2 to 16 rows re-reads a memory-bound layer's matrix (8
+  rows of the expanded stories260K's [512, 4096] products: 1.6-1.8 one-row products, `docs/benchmarks.md`); this
+  streams the matrix once, packed as panels of 32 output columns, and feeds every weight it loads to all rows.
+- `decode_attention` (`decode_attention.cc`): XLA reads the whole static KV cache on one thread (a batch of 4 rows'
+  attention cost more than 7 one-row attentions); this reads each row's cache once, up to its last visible slot, on
+  XLA's threads.
+
+`python -m specjax.kernels` (run by `make`) compiles them for this machine beside their sources, with the
+provenance (sources' hash, CPU, compiler) in `specjax_cpu.json`; a missing, stale or foreign build is not used, and
+products and attention stay XLA's.
 """
 
 from __future__ import annotations
@@ -20,28 +25,31 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.errors import MissingInputError
 from specjax.results import cpu_name
 
 HERE = Path(__file__).parent
-SOURCE = HERE / "packed_matmul.cc"
-LIBRARY = HERE / "packed_matmul.so"
-PROVENANCE = HERE / "packed_matmul.json"
-PANEL = 32  # output columns per packed panel (the kernel's constant)
-TARGET = "specjax_packed_matmul"
+SOURCES = ("pool.h", "packed_matmul.cc", "decode_attention.cc")
+LIBRARY = HERE / "specjax_cpu.so"
+PROVENANCE = HERE / "specjax_cpu.json"
+PANEL = 32  # output columns per packed panel (packed_matmul's constant)
+TARGETS = {"specjax_packed_matmul": "PackedMatmul", "specjax_decode_attention": "DecodeAttention"}
 
 
 def _provenance(compiler: str) -> dict:
     return {
-        "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source_sha256": hashlib.sha256(
+            b"".join((HERE / name).read_bytes() for name in SOURCES)
+        ).hexdigest(),
         "cpu": cpu_name(),
         "compiler": compiler,
     }
 
 
 def build() -> Path:
-    """Compiles the kernel for this machine (-march=native) into LIBRARY; MissingInputError without a C++
+    """Compiles the kernels for this machine (-march=native) into LIBRARY; MissingInputError without a C++
     compiler."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -52,7 +60,16 @@ def build() -> Path:
     tmp = LIBRARY.with_suffix(".so.tmp")
     flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
     subprocess.run(
-        [cxx, *flags, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)], check=True
+        [
+            cxx,
+            *flags,
+            "-isystem",
+            jax.ffi.include_dir(),
+            *(str(HERE / name) for name in SOURCES if name.endswith(".cc")),
+            "-o",
+            str(tmp),
+        ],
+        check=True,
     )
     PROVENANCE.with_suffix(".json.tmp").write_text(json.dumps(_provenance(version), indent=1))
     tmp.replace(LIBRARY)
@@ -62,19 +79,19 @@ def build() -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built for this source and this CPU, and registered with XLA CPU (once)."""
+    """Whether the kernels are built for these sources and this CPU, and registered with XLA CPU (once)."""
     if not (LIBRARY.is_file() and PROVENANCE.is_file()):
         return False
     recorded, now = json.loads(PROVENANCE.read_text()), _provenance("")
     if any(recorded.get(key) != now[key] for key in ("source_sha256", "cpu")):
         logging.warning(
-            "the CPU kernel %s was built from another source or CPU: products stay XLA's (run make)",
+            "the CPU kernels %s were built from other sources or another CPU: XLA's stay in use (run make)",
             LIBRARY,
         )
         return False
-    jax.ffi.register_ffi_target(
-        TARGET, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(LIBRARY)).PackedMatmul)
-    )
+    library = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)))
     return True
 
 
@@ -86,13 +103,45 @@ def pack(w_OI: jax.Array) -> jax.Array:
     return w.reshape(panels, PANEL, n_in).transpose(0, 2, 1)
 
 
-def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int) -> jax.Array:
-    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`)."""
+def _require():
     if not available():
         raise MissingInputError(
-            "specjax's CPU kernel is not built for this source and CPU; run make (python -m specjax.kernels)"
+            "specjax's CPU kernels are not built for these sources and CPU; run make (python -m specjax.kernels)"
         )
-    rows = x_RI.shape[0]
-    out = jax.ShapeDtypeStruct((rows, w_PIC.shape[0] * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_RI, w_PIC)
+
+
+def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int) -> jax.Array:
+    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`)."""
+    _require()
+    out = jax.ShapeDtypeStruct((x_RI.shape[0], w_PIC.shape[0] * PANEL), jnp.float32)
+    y = jax.ffi.ffi_call("specjax_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
     return y[:, :n_out]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def decode_attention(q_XRD, k_XSD, v_XDS, visible_BTS, scale: float) -> jax.Array:
+    """softmax(scale q.k over the visible slots) . v [X, R, D] float32, for X = B x kv heads (row-major), R = query
+    heads per kv head x T tokens (token fastest), a cache laid out as `KVCache`'s (XLA CPU, where `available()`).
+    Differentiable: its derivatives are `reference_attention`'s (a head trained on the CPU)."""
+    _require()
+    out = jax.ShapeDtypeStruct(q_XRD.shape, jnp.float32)
+    call = jax.ffi.ffi_call("specjax_decode_attention", out, vmap_method="sequential")
+    return call(q_XRD, k_XSD, v_XDS, visible_BTS, scale=np.float32(scale))
+
+
+@decode_attention.defjvp
+def _decode_attention_jvp(scale, primals, tangents):
+    q, k, v, visible = primals
+    reference = lambda q, k, v: reference_attention(q, k, v, visible, scale)
+    return jax.jvp(reference, (q, k, v), tangents[:3])
+
+
+def reference_attention(q_XRD, k_XSD, v_XDS, visible_BTS, scale: float) -> jax.Array:
+    """`decode_attention` as XLA computes it (masked slots at the float minimum: a token that sees none averages
+    every slot)."""
+    b, t, _ = visible_BTS.shape
+    x, r, _ = q_XRD.shape
+    scores = jnp.einsum("xrd,xsd->xrs", q_XRD, k_XSD) * scale
+    seen = jnp.broadcast_to(visible_BTS[:, None, None], (b, x // b, r // t, t, visible_BTS.shape[-1]))
+    scores = jnp.where(seen.reshape(scores.shape), scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("xrs,xds->xrd", jax.nn.softmax(scores, axis=-1), v_XDS)

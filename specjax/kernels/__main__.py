@@ -1,5 +1,5 @@
-"""python -m specjax.kernels: builds the CPU kernel for this machine (make runs it); without a compiler it says so
-and products stay XLA's."""
+"""python -m specjax.kernels: builds the CPU kernels for this machine (make runs it); without a compiler it says so
+and XLA's stay in use."""
 
 import subprocess
 import sys
@@ -10,4 +10,4 @@ from specjax.errors import MissingInputError
 try:
     print(f"built {kernels.build()}")
 except (MissingInputError, subprocess.CalledProcessError) as e:
-    print(f"warning: the CPU kernel was not built ({e}); multi-row products stay XLA's", file=sys.stderr)
+    print(f"warning: the CPU kernels were not built ({e}); XLA's stay in use", file=sys.stderr)

@@ -3,13 +3,10 @@
 //
 // Up to eight rows and one panel (two vectors of 16 floats) at a time: every weight vector loaded feeds one fused
 // multiply-add per row, into at most 16 accumulators held in registers; the panels are shared with XLA's intra-op
-// threads. GCC vector extensions, which -march=native compiles to the host's widest vectors (AVX-512, or AVX2).
-#include <algorithm>
-#include <atomic>
-#include <cstddef>
+// threads (pool.h). GCC vector extensions, which -march=native compiles to the host's widest vectors (AVX-512, or AVX2).
 #include <cstdint>
-#include <memory>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,55 +41,23 @@ static const RowsByPanel kRowsByPanel[9] = {nullptr,           rows_by_panel<1>,
                                             rows_by_panel<3>, rows_by_panel<4>, rows_by_panel<5>,
                                             rows_by_panel<6>, rows_by_panel<7>, rows_by_panel<8>};
 
-// The product's work, shared by the calling thread and the helpers it schedules on XLA's intra-op thread pool: each
-// takes chunks of panels until none are left. The caller never waits for a chunk nobody has started (a helper that
-// starts late finds none), so a busy pool only slows the product; the job lives as long as its last helper.
-struct Job {
-  const float *x, *w;
-  float* y;
-  int64_t m, k_len, panels, chunk;
-  std::atomic<int64_t> next{0};
-  std::atomic<int> active{0};
-
-  void run() {
-    const int64_t n = panels * 32;
-    for (int64_t first; (first = next.fetch_add(chunk)) < panels;) {
-      const int64_t last = first + chunk < panels ? first + chunk : panels;
-      for (int64_t p = first; p < last; ++p) {
-        for (int64_t t0 = 0; t0 < m; t0 += 8) {
-          const int64_t r = m - t0 < 8 ? m - t0 : 8;
-          kRowsByPanel[r](x + t0 * k_len, k_len, w + p * k_len * 32, y + t0 * n + p * 32, n);
-        }
-      }
-    }
-  }
-};
-
 static ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                 ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != 32 || wd[1] != xd[1]) {
     return ffi::Error::InvalidArgument("packed_matmul takes x [M, K] and w [P, K, 32]");
   }
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->m = xd[0];
-  job->k_len = xd[1];
-  job->panels = wd[0];
-  const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  job->chunk = std::max<int64_t>(1, job->panels / (4 * threads));
-  for (int64_t i = 1; i < threads && i * job->chunk < job->panels; ++i) {
-    pool.Schedule([job] {
-      job->active.fetch_add(1);
-      job->run();
-      job->active.fetch_sub(1);
-    });
-  }
-  job->run();
-  while (job->active.load() > 0) {
-  }
+  const float *xs = x.typed_data(), *ws = w.typed_data();
+  float* ys = y->typed_data();
+  const int64_t m = xd[0], k_len = xd[1], n = wd[0] * 32;
+  run_shared(pool, wd[0], 4, [=](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      for (int64_t t0 = 0; t0 < m; t0 += 8) {
+        const int64_t r = m - t0 < 8 ? m - t0 : 8;
+        kRowsByPanel[r](xs + t0 * k_len, k_len, ws + p * k_len * 32, ys + t0 * n + p * 32, n);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -324,18 +324,32 @@ class Block(nnx.Module):
             h // kv
         )  # query heads per kv head; (row, kv head) is the matmuls' batch axis, (group, token) their rows
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-        scores = jnp.einsum("xqd,xsd->xqs", q, k_all, preferred_element_type=jnp.float32)
-        probs = self.attention(scores.reshape(b, kv, g, t, -1), visible_BTS)
-        probs = probs.astype(v_all.dtype).reshape(b * kv, g * t, -1)
-        attn = jnp.einsum("xqs,xds->xqd", probs, v_all).reshape(b, kv, g, t, hd)
-        attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
+        if self.on_cpu_kernel(k_all):
+            attn = kernels.decode_attention(q, k_all, v_all, visible_BTS, self.scale)
+        else:
+            scores = jnp.einsum("xqd,xsd->xqs", q, k_all, preferred_element_type=jnp.float32)
+            probs = self.attention(scores.reshape(b, kv, g, t, -1), visible_BTS)
+            probs = probs.astype(v_all.dtype).reshape(b * kv, g * t, -1)
+            attn = jnp.einsum("xqs,xds->xqd", probs, v_all)
+        attn = attn.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
         return self.residual(x_BTH, attn), cache
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5 if self.cfg.attn_scale is None else self.cfg.attn_scale
+
+    def on_cpu_kernel(self, k_all) -> bool:
+        """Whether attention runs on specjax's CPU kernel (`kernels.decode_attention`): a float32 cache on XLA CPU
+        where the kernels are built, without Gemma 2's soft cap or gpt-oss's sinks."""
+        cfg = self.cfg
+        plain = not (cfg.attn_softcap or cfg.attn_sinks) and k_all.dtype == jnp.float32
+        return plain and jax.default_backend() == "cpu" and kernels.available()
 
     def attention(self, scores, visible_BTS):
         """Attention weights [B, kv, g, T, S] (float32) from the raw scores: scaled, soft-capped (Gemma 2),
         masked, and normalised with each head's sink logit in the denominator (gpt-oss)."""
         cfg = self.cfg
-        scores = scores * (self.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale)
+        scores = scores * self.scale
         if cfg.attn_softcap:
             scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)

@@ -1,9 +1,12 @@
 """specjax's CPU kernels (`specjax.kernels`): built by make wherever a C++ compiler is; the product equals the
 float64 product to float32 rounding for any rows, widths and ragged panels (a model laid out for it is
 test_model_reference's), attention equals float64 attention for any heads, tokens and masks (a model running it:
-every model test on the CPU); a build recorded for another source is refused."""
+every model test on the CPU), for this host's vectors and for AVX2's (where the host runs AVX2); a build recorded for
+another source is refused."""
 
+import platform
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,21 @@ from specjax import kernels
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a kernel for XLA CPU")
 built = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the kernel is not built")
+runs_avx2 = platform.machine() == "x86_64" and " avx2 " in Path("/proc/cpuinfo").read_text().replace(
+    "\n", " "
+)
+
+
+@pytest.fixture(scope="module", params=["specjax", "avx2"])
+def build(request, tmp_path_factory):
+    """The build make made (this host's widest vectors), and one for AVX2 (8 lanes, 16 registers: other blocking)."""
+    if request.param == "avx2":
+        if not (runs_avx2 and shutil.which("g++")):
+            pytest.skip("the host does not run AVX2 code, or has no compiler")
+        library = tmp_path_factory.mktemp("avx2") / "avx2.so"
+        kernels.compile_library(library, "x86-64-v3")
+        kernels.register(library, "avx2")
+    return request.param
 
 
 def test_built_where_a_compiler_is():
@@ -24,13 +42,13 @@ def test_built_where_a_compiler_is():
 
 @built
 @pytest.mark.parametrize(
-    "rows, n_in, n_out", [(1, 64, 64), (3, 37, 172), (8, 64, 512), (9, 128, 96), (17, 40, 33)]
+    "rows, n_in, n_out", [(1, 64, 64), (3, 37, 172), (8, 64, 512), (13, 128, 96), (31, 40, 33)]
 )
-def test_product_equals_float64(rows, n_in, n_out):
+def test_product_equals_float64(build, rows, n_in, n_out):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.float32)
-    got = jax.jit(kernels.packed_matmul, static_argnums=2)(x, kernels.pack(w), n_out)
+    got = jax.jit(kernels.packed_matmul, static_argnums=(2, 3))(x, kernels.pack(w), n_out, build)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert got.shape == (rows, n_out)
     # one sum of n_in products (a wrong row, column or panel is off by the values' size)
@@ -41,7 +59,7 @@ def test_product_equals_float64(rows, n_in, n_out):
 @pytest.mark.parametrize(
     "b, kv, g, t, slots, d", [(1, 8, 2, 1, 192, 32), (3, 2, 3, 5, 40, 20), (2, 1, 1, 4, 17, 64)]
 )
-def test_attention_equals_float64(b, kv, g, t, slots, d):
+def test_attention_equals_float64(build, b, kv, g, t, slots, d):
     """Masked slots, slots past every token's last visible one, and a token that sees none (XLA's softmax over
     scores all at the float minimum: the uniform average of every slot's value)."""
     rng = np.random.default_rng(slots)
@@ -52,8 +70,8 @@ def test_attention_equals_float64(b, kv, g, t, slots, d):
     visible[:, :, slots // 2 :] = False
     visible[-1, -1] = False
     scale = d**-0.5
-    got = jax.jit(kernels.decode_attention, static_argnums=4)(
-        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)), jnp.asarray(visible), scale
+    got = jax.jit(kernels.decode_attention, static_argnums=(4, 5))(
+        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)), jnp.asarray(visible), scale, build
     )
     seen = np.repeat(visible, kv, axis=0)[:, np.arange(g * t) % t]  # [b * kv, g * t, slots]
     scores = np.where(seen, np.einsum("xrd,xsd->xrs", q, k) * scale, np.finfo(np.float32).min)

@@ -31,11 +31,11 @@ from specjax.errors import MissingInputError
 from specjax.results import cpu_name
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.h", "packed_matmul.cc", "decode_attention.cc")
+SOURCES = ("pool.h", "vec.h", "packed_matmul.cc", "decode_attention.cc")
 LIBRARY = HERE / "specjax_cpu.so"
 PROVENANCE = HERE / "specjax_cpu.json"
 PANEL = 32  # output columns per packed panel (packed_matmul's constant)
-TARGETS = {"specjax_packed_matmul": "PackedMatmul", "specjax_decode_attention": "DecodeAttention"}
+HANDLERS = {"packed_matmul": "PackedMatmul", "decode_attention": "DecodeAttention"}
 
 
 def _provenance(compiler: str) -> dict:
@@ -48,33 +48,35 @@ def _provenance(compiler: str) -> dict:
     }
 
 
-def build() -> Path:
-    """Compiles the kernels for this machine (-march=native) into LIBRARY; MissingInputError without a C++
+def compile_library(out: Path, march: str = "native") -> str:
+    """Compiles the kernels for `-march` into `out`; the compiler's version. MissingInputError without a C++
     compiler."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise MissingInputError(
-            "no C++ compiler (g++) found; install one (apt-get install g++) to build the CPU kernel"
+            "no C++ compiler (g++) found; install one (apt-get install g++) to build the CPU kernels"
         )
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    sources = [str(HERE / name) for name in SOURCES if name.endswith(".cc")]
+    flags = ["-O3", f"-march={march}", "-shared", "-fPIC", "-std=c++17", "-isystem", jax.ffi.include_dir()]
+    subprocess.run([cxx, *flags, *sources, "-o", str(out)], check=True)
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+def build() -> Path:
+    """Compiles the kernels for this machine (-march=native) into LIBRARY, with its provenance."""
     tmp = LIBRARY.with_suffix(".so.tmp")
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
-    subprocess.run(
-        [
-            cxx,
-            *flags,
-            "-isystem",
-            jax.ffi.include_dir(),
-            *(str(HERE / name) for name in SOURCES if name.endswith(".cc")),
-            "-o",
-            str(tmp),
-        ],
-        check=True,
-    )
+    version = compile_library(tmp)
     PROVENANCE.with_suffix(".json.tmp").write_text(json.dumps(_provenance(version), indent=1))
     tmp.replace(LIBRARY)
     PROVENANCE.with_suffix(".json.tmp").replace(PROVENANCE)
     return LIBRARY
+
+
+def register(library: Path, name: str) -> None:
+    """Registers a compiled library's handlers with XLA CPU as `{name}_{handler}` (the functions' `build=name`)."""
+    handlers = ctypes.cdll.LoadLibrary(str(library))
+    for handler, symbol in HANDLERS.items():
+        jax.ffi.register_ffi_target(f"{name}_{handler}", jax.ffi.pycapsule(getattr(handlers, symbol)))
 
 
 @functools.cache
@@ -89,9 +91,7 @@ def available() -> bool:
             LIBRARY,
         )
         return False
-    library = ctypes.cdll.LoadLibrary(str(LIBRARY))
-    for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)))
+    register(LIBRARY, "specjax")
     return True
 
 
@@ -103,34 +103,35 @@ def pack(w_OI: jax.Array) -> jax.Array:
     return w.reshape(panels, PANEL, n_in).transpose(0, 2, 1)
 
 
-def _require():
-    if not available():
+def _require(build: str):
+    if build == "specjax" and not available():
         raise MissingInputError(
             "specjax's CPU kernels are not built for these sources and CPU; run make (python -m specjax.kernels)"
         )
 
 
-def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int) -> jax.Array:
-    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`)."""
-    _require()
+def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int, build: str = "specjax") -> jax.Array:
+    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`; `build`: the
+    name another build was `register`ed under)."""
+    _require(build)
     out = jax.ShapeDtypeStruct((x_RI.shape[0], w_PIC.shape[0] * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call("specjax_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
+    y = jax.ffi.ffi_call(f"{build}_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
     return y[:, :n_out]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def decode_attention(q_XRD, k_XSD, v_XDS, visible_BTS, scale: float) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def decode_attention(q_XRD, k_XSD, v_XDS, visible_BTS, scale: float, build: str = "specjax") -> jax.Array:
     """softmax(scale q.k over the visible slots) . v [X, R, D] float32, for X = B x kv heads (row-major), R = query
     heads per kv head x T tokens (token fastest), a cache laid out as `KVCache`'s (XLA CPU, where `available()`).
     Differentiable: its derivatives are `reference_attention`'s (a head trained on the CPU)."""
-    _require()
+    _require(build)
     out = jax.ShapeDtypeStruct(q_XRD.shape, jnp.float32)
-    call = jax.ffi.ffi_call("specjax_decode_attention", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"{build}_decode_attention", out, vmap_method="sequential")
     return call(q_XRD, k_XSD, v_XDS, visible_BTS, scale=np.float32(scale))
 
 
 @decode_attention.defjvp
-def _decode_attention_jvp(scale, primals, tangents):
+def _decode_attention_jvp(scale, build, primals, tangents):
     q, k, v, visible = primals
     reference = lambda q, k, v: reference_attention(q, k, v, visible, scale)
     return jax.jvp(reference, (q, k, v), tangents[:3])

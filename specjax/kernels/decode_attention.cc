@@ -9,21 +9,18 @@
 #include <vector>
 
 #include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-// sum_i a[i] * b[i]: 16 lanes at a time, then the tail
+// sum_i a[i] * b[i]: a vector at a time, then the tail
 static inline float dot(const float* a, const float* b, int64_t n) {
-  v16 acc = {};
+  vec acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc += *reinterpret_cast<const v16*>(a + i) * *reinterpret_cast<const v16*>(b + i);
-  }
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
   float sum = 0.0f;
-  for (int lane = 0; lane < 16; ++lane) sum += acc[lane];
+  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }

@@ -1,45 +1,52 @@
 // y[M, P * 32] = x[M, K] @ W, W packed as P panels [K, 32] (32 output columns each, k-major): a matrix product of
 // few rows that streams each weight once, for XLA CPU (specjax/kernels/__init__.py builds and calls it).
 //
-// Up to eight rows and one panel (two vectors of 16 floats) at a time: every weight vector loaded feeds one fused
-// multiply-add per row, into at most 16 accumulators held in registers; the panels are shared with XLA's intra-op
-// threads (pool.h). GCC vector extensions, which -march=native compiles to the host's widest vectors (AVX-512, or AVX2).
+// A block of rows and one panel at a time: every weight vector loaded feeds one fused multiply-add per row, into
+// accumulators held in registers (as many rows as the host's vector registers hold: vec.h); the panels are shared
+// with XLA's intra-op threads (pool.h).
+#include <array>
 #include <cstdint>
+#include <utility>
 
 #include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kPanel = 32;                 // output columns per panel
+constexpr int kVecs = kPanel / kLanes;     // vectors per panel row
+#ifndef MAX_ROWS
+#define MAX_ROWS (kRegisters - 2) / kVecs
+#endif
+constexpr int kMaxRows = MAX_ROWS;  // accumulators in registers, one left for the row's value
 
-static inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
-static inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
-
-// rows [0, R) of x times the panel `w` [K, 32]: y columns [0, 32) (R a constant: the accumulators stay in registers)
+// rows [0, R) of x times the panel `w` [K, 32]: y columns [0, 32) (R a constant: the accumulators stay in registers;
+// the weights are the multiply-adds' memory operands)
 template <int R>
 static void rows_by_panel(const float* x, int64_t k_len, const float* w, float* y, int64_t y_stride) {
-  v16 lo[R] = {}, hi[R] = {};
+  vec acc[R][kVecs] = {};
   for (int64_t k = 0; k < k_len; ++k) {
-    const v16 w_lo = load(w + k * 32), w_hi = load(w + k * 32 + 16);
-    __builtin_prefetch(w + (k + 32) * 32);  // both cache lines of the row 32 steps ahead: 4 KiB in flight
-    __builtin_prefetch(w + (k + 32) * 32 + 16);
+    const float* wk = w + k * kPanel;
+    __builtin_prefetch(wk + 32 * kPanel);  // both cache lines of the row 32 steps ahead: 4 KiB in flight
+    __builtin_prefetch(wk + 32 * kPanel + 16);
     for (int t = 0; t < R; ++t) {
       const float s = x[t * k_len + k];
-      lo[t] += s * w_lo;
-      hi[t] += s * w_hi;
+      for (int v = 0; v < kVecs; ++v) acc[t][v] += s * load(wk + v * kLanes);
     }
   }
   for (int t = 0; t < R; ++t) {
-    store(y + t * y_stride, lo[t]);
-    store(y + t * y_stride + 16, hi[t]);
+    for (int v = 0; v < kVecs; ++v) store(y + t * y_stride + v * kLanes, acc[t][v]);
   }
 }
 
 typedef void (*RowsByPanel)(const float*, int64_t, const float*, float*, int64_t);
-static const RowsByPanel kRowsByPanel[9] = {nullptr,           rows_by_panel<1>, rows_by_panel<2>,
-                                            rows_by_panel<3>, rows_by_panel<4>, rows_by_panel<5>,
-                                            rows_by_panel<6>, rows_by_panel<7>, rows_by_panel<8>};
+
+template <int... R>
+static constexpr std::array<RowsByPanel, sizeof...(R) + 1> table(std::integer_sequence<int, R...>) {
+  return {nullptr, rows_by_panel<R + 1>...};
+}
+static constexpr auto kRowsByPanel = table(std::make_integer_sequence<int, kMaxRows>());
 
 static ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                 ffi::ResultBuffer<ffi::F32> y) {
@@ -49,12 +56,13 @@ static ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   }
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* ys = y->typed_data();
-  const int64_t m = xd[0], k_len = xd[1], n = wd[0] * 32;
+  const int64_t m = xd[0], k_len = xd[1], n = wd[0] * kPanel, blocks = (m + kMaxRows - 1) / kMaxRows;
   run_shared(pool, wd[0], 4, [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
-      for (int64_t t0 = 0; t0 < m; t0 += 8) {
-        const int64_t r = m - t0 < 8 ? m - t0 : 8;
-        kRowsByPanel[r](xs + t0 * k_len, k_len, ws + p * k_len * 32, ys + t0 * n + p * 32, n);
+      for (int64_t b = 0, t0 = 0; b < blocks; ++b) {  // rows in blocks of equal size, at most kMaxRows
+        const int64_t r = m / blocks + (b < m % blocks);
+        kRowsByPanel[r](xs + t0 * k_len, k_len, ws + p * k_len * kPanel, ys + t0 * n + p * kPanel, n);
+        t0 += r;
       }
     }
   });

@@ -19,8 +19,7 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   vec acc = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float sum = 0.0f;
-  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
+  float sum = sum_lanes(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }

@@ -73,7 +73,7 @@ def build() -> Path:
 
 
 def register(library: Path, name: str) -> None:
-    """Registers a compiled library's handlers with XLA CPU as `{name}_{handler}` (the functions' `build=name`)."""
+    """Registers a compiled library's handlers with XLA CPU as `{name}_{handler}` (the functions' `registered`)."""
     handlers = ctypes.cdll.LoadLibrary(str(library))
     for handler, symbol in HANDLERS.items():
         jax.ffi.register_ffi_target(f"{name}_{handler}", jax.ffi.pycapsule(getattr(handlers, symbol)))
@@ -103,35 +103,37 @@ def pack(w_OI: jax.Array) -> jax.Array:
     return w.reshape(panels, PANEL, n_in).transpose(0, 2, 1)
 
 
-def _require(build: str):
-    if build == "specjax" and not available():
+def _require(registered: str):
+    if registered == "specjax" and not available():
         raise MissingInputError(
             "specjax's CPU kernels are not built for these sources and CPU; run make (python -m specjax.kernels)"
         )
 
 
-def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int, build: str = "specjax") -> jax.Array:
-    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`; `build`: the
-    name another build was `register`ed under)."""
-    _require(build)
+def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int, registered: str = "specjax") -> jax.Array:
+    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`; `registered`:
+    the name another build was `register`ed under)."""
+    _require(registered)
     out = jax.ShapeDtypeStruct((x_RI.shape[0], w_PIC.shape[0] * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call(f"{build}_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
+    y = jax.ffi.ffi_call(f"{registered}_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
     return y[:, :n_out]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def decode_attention(q_XRD, k_XSD, v_XDS, visible_BTS, scale: float, build: str = "specjax") -> jax.Array:
+def decode_attention(
+    q_XRD, k_XSD, v_XDS, visible_BTS, scale: float, registered: str = "specjax"
+) -> jax.Array:
     """softmax(scale q.k over the visible slots) . v [X, R, D] float32, for X = B x kv heads (row-major), R = query
     heads per kv head x T tokens (token fastest), a cache laid out as `KVCache`'s (XLA CPU, where `available()`).
     Differentiable: its derivatives are `reference_attention`'s (a head trained on the CPU)."""
-    _require(build)
+    _require(registered)
     out = jax.ShapeDtypeStruct(q_XRD.shape, jnp.float32)
-    call = jax.ffi.ffi_call(f"{build}_decode_attention", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"{registered}_decode_attention", out, vmap_method="sequential")
     return call(q_XRD, k_XSD, v_XDS, visible_BTS, scale=np.float32(scale))
 
 
 @decode_attention.defjvp
-def _decode_attention_jvp(scale, build, primals, tangents):
+def _decode_attention_jvp(scale, registered, primals, tangents):
     q, k, v, visible = primals
     reference = lambda q, k, v: reference_attention(q, k, v, visible, scale)
     return jax.jvp(reference, (q, k, v), tangents[:3])

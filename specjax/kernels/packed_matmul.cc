@@ -16,10 +16,7 @@ namespace ffi = xla::ffi;
 
 constexpr int kPanel = 32;                 // output columns per panel
 constexpr int kVecs = kPanel / kLanes;     // vectors per panel row
-#ifndef MAX_ROWS
-#define MAX_ROWS (kRegisters - 2) / kVecs
-#endif
-constexpr int kMaxRows = MAX_ROWS;  // accumulators in registers, one left for the row's value
+constexpr int kMaxRows = (kRegisters - 2) / kVecs;  // rows whose accumulators fit, beside a row's value and a weight
 
 // rows [0, R) of x times the panel `w` [K, 32]: y columns [0, 32) (R a constant: the accumulators stay in registers;
 // the weights are the multiply-adds' memory operands)

@@ -97,7 +97,7 @@ class InOutLinear(Linear):
 
 class PackedLinear(Linear):
     """A float32 `Linear` whose weight is packed for specjax's CPU kernel (`specjax.kernels`), which reads it once
-    for any number of rows (an 8-token pass of the expanded stories260K: 1.48 one-token passes, 1.81 `[in, out]`)."""
+    for any number of rows (passes of the expanded stories260K by layout: `docs/benchmarks.md`)."""
 
     def __init__(self, linear: Linear):
         self.n_out = linear.weight.shape[0]

@@ -15,7 +15,14 @@ from tolerance import assert_close, assert_far, forward_depth
 
 from specjax import heads, verify_exactness
 from specjax.decoding import speculative_generate
-from specjax.drafters.dflash import DFlash, choose_anchors, dflash_block, dflash_extend, paper_layers
+from specjax.drafters.dflash import (
+    DFlash,
+    choose_anchors,
+    dflash_block,
+    dflash_extend,
+    draft_config,
+    paper_layers,
+)
 from specjax.drafting import registry
 from specjax.drafting.trees import DynamicTree, balanced
 from specjax.errors import HeadsError
@@ -25,11 +32,16 @@ from specjax.sampling import Sampler
 from specjax.training.losses import target_features
 
 LAYERS = (1, 0)
+OWN = [2, 1, 24]
 
 
-def dflash(cfg, params, n_layers=2, block_size=4, seed=3, confidence=False, learned_masks=False):
-    """(meta, graphdef, head params) of a fresh DFlash head; learned MASK embeddings moved off their start."""
+def dflash(
+    cfg, params, n_layers=2, block_size=4, seed=3, confidence=False, learned_masks=False, attention=None
+):
+    """(meta, graphdef, head params) of a fresh DFlash head (`attention`: its own heads); learned MASK embeddings
+    moved off their start."""
     shape = {"layers": list(LAYERS), "n_layers": n_layers, "block_size": block_size, "mask_token": 0}
+    shape |= {"attention": attention} if attention else {}
     shape |= ({"confidence": True} if confidence else {}) | (
         {"learned_masks": True} if learned_masks else {}
     )
@@ -87,7 +99,10 @@ def training_case():
     graphdef, params = TARGET
     tokens = jnp.asarray(np.random.default_rng(2).integers(3, TINY.vocab_size, (2, 14)), jnp.int32)
     feats = target_features(TINY, graphdef, params, tokens, LAYERS)
-    meta, hgraph, hparams = dflash(TINY, params, block_size=4, confidence=True, learned_masks=True)
+    # the draft's own attention heads: 2 query heads of dim 24 sharing one key/value head (TINY's: 4 of 8, 2 of 8)
+    meta, hgraph, hparams = dflash(
+        TINY, params, block_size=4, confidence=True, learned_masks=True, attention=OWN
+    )
     return hgraph, heads.drafter_params(meta, hparams, TINY, params), feats, tokens
 
 
@@ -96,7 +111,7 @@ def drafted_logits(hgraph, dparams, feats, tokens, anchor, block_size, context=N
     b = tokens.shape[0]
     n = len(LAYERS) * TINY.dim
     context = anchor if context is None else context
-    cache = init_cache(TINY.replace(n_layers=2), b, 32)
+    cache = init_cache(draft_config(TINY, {"n_layers": 2, "attention": OWN}), b, 32)
     positions = jnp.broadcast_to(jnp.arange(context), (b, context))
     cache = dflash_extend(hgraph, dparams, feats[:, :context, :n], positions, cache).with_length(
         jnp.full((b,), context)
@@ -159,7 +174,7 @@ def test_learned_masks_are_the_block_inputs(training_case):
     """A head's learned MASK embeddings are its block's inputs after the anchor: at their start (the target's
     embedding of mask_token) it drafts what the same head without them drafts; moved, it drafts otherwise."""
     hgraph, dparams, feats, tokens = training_case
-    plain_meta, plain_graph, _ = dflash(TINY, TARGET[1], block_size=4, confidence=True)
+    plain_meta, plain_graph, _ = dflash(TINY, TARGET[1], block_size=4, confidence=True, attention=OWN)
     plain = dparams | {"head": {k: v for k, v in dparams["head"].items() if k != "masks"}}
     start = dparams | {"head": dparams["head"] | {"masks": jnp.tile(dparams["embed"][:1], (3, 1))}}
     depth = forward_depth(2) + 2
@@ -192,6 +207,11 @@ def test_head_for_another_target_is_refused():
     trained = registry.trained("dflash")
     with pytest.raises(HeadsError, match="heads.layers"):  # a context layer the target lacks
         trained.shape_of(trained.settings(layers=(5,)), TINY, None)
+    with pytest.raises(HeadsError, match="n_heads=3 is not a multiple of heads.n_kv_heads=2"):
+        trained.shape_of(trained.settings(layers=(1,), n_heads=3), TINY, None)  # TINY's 2 key/value heads
+    own = trained.shape_of(trained.settings(layers=(1,), head_dim=16), TINY, None)
+    assert own["attention"] == [TINY.n_heads, TINY.n_kv_heads, 16]
+    assert "attention" not in trained.shape_of(trained.settings(layers=(1,), n_heads=4), TINY, None)
 
 
 def test_committed_head_drafts_ar_tokens(stories):
@@ -271,15 +291,18 @@ def test_confidence_sized_sampling_is_exact(monkeypatch):
     assert report.passed, report.format()  # greedy: test_confidence_sized_rounds_equal_ar
 
 
-def test_expanded_head_drafts_the_same_distributions(stories):
+@pytest.mark.parametrize("attention", [None, [4, 2, 16]])
+def test_expanded_head_drafts_the_same_distributions(stories, attention):
     """On the function-preserving expansion of stories260K (`specjax.expand`), the expanded head's block
-    logits and confidence scores equal the original's (its per-head norms see the wide heads); a head expanded as
-    a plain target layer (query and key rows unscaled for the norms) does not."""
+    logits and confidence scores equal the original's (its per-head norms see the wide heads), for a head with the
+    target's attention heads and one with its own (kept as they are); a head of the target's heads expanded as a
+    plain target layer (query and key rows unscaled for the norms over the wider heads) does not."""
     from specjax import expand
 
     e = expand.SMOKE
     big = expand.expand(stories.cfg, stories.params, e)
     shape = {"layers": [0, 2, 4], "n_layers": 2, "block_size": 8, "mask_token": 0, "confidence": True}
+    shape |= {"attention": attention} if attention else {}
     meta = heads.describe("dflash", shape | {"learned_masks": True}, stories.cfg)
     graphdef, hparams = heads.new_heads(meta, stories.cfg, stories.params, 1)
     # drafts far from uniform, learned MASK embeddings off their start
@@ -292,7 +315,7 @@ def test_expanded_head_drafts_the_same_distributions(stories):
         m, hg, hp = head
         feats = target_features(cfg, graphdef_, params_, tokens, tuple(m["shape"]["layers"]))
         dparams = heads.drafter_params(m, hp, cfg, params_)
-        cache = init_cache(cfg.replace(n_layers=2), 1, 32)
+        cache = init_cache(draft_config(cfg, m["shape"]), 1, 32)
         taps = feats[:, :n, : 3 * cfg.dim]
         cache = dflash_extend(hg, dparams, taps, jnp.arange(n)[None], cache).with_length(jnp.array([n]))
         block = jnp.concatenate([tokens[:, n:], jnp.zeros((1, 7), jnp.int32)], 1)
@@ -303,6 +326,8 @@ def test_expanded_head_drafts_the_same_distributions(stories):
     wide = block_logits(big[0], big[1], big[2], big_head)
     depth = forward_depth(big[0].n_layers) + forward_depth(2)
     assert_close(wide, small, dtype=jnp.float32, depth=depth)  # the logits, then the confidence head's
+    if attention:
+        return
     plain = jax.tree.map(lambda x: x, big_head[2])
     for layer in plain["layers"].values():  # the layer as `Expander.block` makes it, norms only padded
         layer["k_norm"]["weight"] = jnp.ones_like(layer["k_norm"]["weight"])

@@ -21,7 +21,7 @@ from tolerance import assert_close, assert_far, forward_depth
 from specjax import heads, published
 from specjax.decoding import GenerateSpec, speculative_generate
 from specjax.drafters import dflash_zlab
-from specjax.drafters.dflash import DFlash, dflash_block, dflash_extend
+from specjax.drafters.dflash import DFlash, dflash_block, dflash_extend, draft_config
 from specjax.drafting import registry
 from specjax.errors import HeadsError
 from specjax.models.llama import init_cache
@@ -68,10 +68,11 @@ def reference(stories):
     return zlab, target
 
 
-def fresh_head(cfg, params, layers=LAYERS):
-    """(meta, graphdef, params) of a fresh head whose matrices are scaled up and norms varied (drafts far from
-    uniform)."""
+def fresh_head(cfg, params, layers=LAYERS, attention=None):
+    """(meta, graphdef, params) of a fresh head (`attention`: its own heads) whose matrices are scaled up and norms
+    varied (drafts far from uniform)."""
     shape = {"layers": list(layers), "n_layers": 2, "block_size": B, "mask_token": 0}
+    shape |= {"attention": attention} if attention else {}
     meta = heads.describe("dflash", shape, cfg)
     graphdef, p = heads.new_heads(meta, cfg, params, 1)
     vary = lambda x: 1 + 0.3 * jnp.sin(jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape)
@@ -90,13 +91,21 @@ def load_reference(zlab, where):
     return zlab.DFlashDraftModel.from_pretrained(str(where), dtype=torch.float32).eval()
 
 
-def test_reference_drafts_the_same_logits(stories, reference, exported):
+@pytest.mark.parametrize("attention", [None, [4, 2, 16]])
+def test_reference_drafts_the_same_logits(stories, reference, exported, tmp_path, attention):
     """Every block position's logits over a 12-token context: the reference (its transformers target's hidden
-    states, its draft) against specjax's (`dflash_extend` + `dflash_block`); a head reading the taps in the other
-    order misses them."""
+    states, its draft) against specjax's (`dflash_extend` + `dflash_block`), for a head with the target's attention
+    heads and one with its own (which loads back as it was written); a head reading the taps in the other order
+    misses them."""
     zlab, target = reference
     meta, graphdef, p, where = exported
     cfg = stories.cfg
+    if attention:
+        meta, graphdef, p = fresh_head(cfg, stories.params, attention=attention)
+        where = published.export_published(meta, p, tmp_path / "head", cfg)
+        loaded, _, q = published.load_published(where, "dflash", cfg, stories.params)
+        assert loaded == meta
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), q, p)
     tokens = stories.tokenizer.encode("Once upon a time there was a little dog named")
     n = len(tokens) - 1
     block = [tokens[n]] + [meta["shape"]["mask_token"]] * (B - 1)
@@ -115,7 +124,7 @@ def test_reference_drafts_the_same_logits(stories, reference, exported):
         )
         m = heads.describe("dflash", {**meta["shape"], "layers": list(layers)}, cfg)
         dparams = heads.drafter_params(m, p, cfg, stories.params)
-        cache = init_cache(cfg.replace(n_layers=2), 1, 32)
+        cache = init_cache(draft_config(cfg, m["shape"]), 1, 32)
         taps = feats[..., : len(layers) * cfg.dim]
         cache = dflash_extend(graphdef, dparams, taps, jnp.arange(n)[None], cache).with_length(
             jnp.array([n])

@@ -162,16 +162,23 @@ def attend_blocks(q_BNTHD, k_BSKD, v_BSKD, sees_BNS, k_BNTKD, v_BNTKD):
     return out.reshape(b, n, t, h * d)
 
 
-def draft_config(target_cfg: LlamaConfig, n_layers: int) -> LlamaConfig:
-    """The draft's decoder layers: `n_layers` layers of the target's shape."""
-    return target_cfg.head_layers(n_layers)
+ATTENTION = (
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+)  # a shape's "attention": the draft's own, where it has one
 
 
-def init_dflash(
-    target_cfg: LlamaConfig, n_layers: int, n_taps: int, confidence: bool = False, seed: int = 0, masks=None
-):
+def draft_config(target_cfg: LlamaConfig, shape: dict) -> LlamaConfig:
+    """The draft's decoder layers (heads.json's `shape`): `n_layers` layers of the target's width and MLP, with the
+    target's attention heads or the shape's own `attention` (n_heads, n_kv_heads, head_dim)."""
+    cfg = target_cfg.head_layers(shape["n_layers"])
+    return cfg.replace(**dict(zip(ATTENTION, shape["attention"]))) if "attention" in shape else cfg
+
+
+def init_dflash(draft_cfg: LlamaConfig, n_taps: int, confidence: bool = False, seed: int = 0, masks=None):
     """(graphdef, params as a pure dict) of a fresh head; `masks` [B - 1, H]: learned MASK embeddings' start."""
-    head = DFlashHead(draft_config(target_cfg, n_layers), n_taps, confidence, nnx.Rngs(seed), masks)
+    head = DFlashHead(draft_cfg, n_taps, confidence, nnx.Rngs(seed), masks)
     graphdef, state = nnx.split(head)
     return graphdef, nnx.to_pure_dict(state)
 
@@ -237,14 +244,13 @@ class DFlash(KOrTree):
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.draft_cfg
-        if (
-            target_signature(mine) != target_signature(target_cfg)
-            or max(self.feature_taps) >= target_cfg.n_layers
-        ):
+        # the draft's attention heads may be its own (a shape's "attention")
+        own = target_cfg.replace(**{k: getattr(mine, k) for k in ATTENTION})
+        if target_signature(mine) != target_signature(own) or max(self.feature_taps) >= target_cfg.n_layers:
             raise HeadsError(
                 f"this DFlash head was built for a target of vocabulary {mine.vocab_size}, width {mine.dim} and "
                 f"at least {max(self.feature_taps) + 1} layers, not vocabulary {target_cfg.vocab_size}, width "
-                f"{target_cfg.dim} and {target_cfg.n_layers} layers (or another layer shape): train a head for "
+                f"{target_cfg.dim} and {target_cfg.n_layers} layers (or another MLP width): train a head for "
                 "this target"
             )
         if not 0 <= self.mask_token < target_cfg.vocab_size:
@@ -389,6 +395,11 @@ class DFlashTraining:
 
     layers: tuple = ()  # target layers whose outputs form the context; () = z-lab's rule (`paper_layers`)
     n_layers: int = 1  # draft decoder layers
+    # the draft's attention heads (0: the target's): a target with tiny heads (stories260K's head_dim 8) drafts
+    # better with fewer, wider ones
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
     block_size: int = 8  # B: the anchor and B - 1 masks (decoding drafts k = B - 1 by default)
     blocks: int = 8  # anchors drawn per training sequence
     decay: float = 4.0  # block position i's loss weighs exp(-(i - 1) / decay) (the paper's 4 for B = 8)
@@ -403,6 +414,9 @@ class DFlashTraining:
     RULES: ClassVar = {
         "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
         "n_layers": (lambda v: 1 <= v <= 5, "must be 1..5"),
+        "n_heads": (lambda v: v >= 0, "must be >= 0 (0 = the target's)"),
+        "n_kv_heads": (lambda v: v >= 0, "must be >= 0 (0 = the target's)"),
+        "head_dim": (lambda v: v >= 0 and v % 2 == 0, "must be even and >= 0 (0 = the target's)"),
         "block_size": (lambda v: v >= 2, "must be >= 2"),
         "blocks": (lambda v: v >= 1, "must be >= 1"),
         "decay": (lambda v: v > 0, "must be > 0"),
@@ -416,8 +430,8 @@ class DFlashTraining:
 
 
 def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
-    """The head's shape in heads.json: its context layers, draft layers, block size, mask token and whether it
-    has a confidence head (absent: none)."""
+    """The head's shape in heads.json: its context layers, draft layers, block size, mask token, its own attention
+    heads (absent: the target's) and whether it has a confidence head (absent: none)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers, h.n_layers))
     if max(layers) >= target_cfg.n_layers or h.mask_token >= target_cfg.vocab_size:
         raise HeadsError(
@@ -425,6 +439,16 @@ def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
             f"{target_cfg.n_layers} layers or {target_cfg.vocab_size} tokens; choose ones it has"
         )
     shape = dict(layers=layers, n_layers=h.n_layers, block_size=h.block_size, mask_token=h.mask_token)
+    own = (h.n_heads, h.n_kv_heads, h.head_dim)
+    if any(own):
+        attention = [v or getattr(target_cfg, k) for k, v in zip(ATTENTION, own)]
+        if attention[0] % attention[1]:
+            raise HeadsError(
+                f"config heads.n_heads={attention[0]} is not a multiple of heads.n_kv_heads={attention[1]} (0 takes "
+                "the target's): choose n_heads as a multiple of n_kv_heads"
+            )
+        if attention != [getattr(target_cfg, k) for k in ATTENTION]:
+            shape["attention"] = attention
     return (
         shape
         | ({"confidence": True} if h.confidence else {})
@@ -439,12 +463,12 @@ def init_head(shape: dict, cfg: LlamaConfig, target_params, seed: int):
         mask = np.asarray(target_io(cfg, target_params)["embed"][shape["mask_token"]])
         masks = np.repeat(mask[None], shape["block_size"] - 1, 0)
     return init_dflash(
-        cfg, shape["n_layers"], len(shape["layers"]), shape.get("confidence", False), seed, masks
+        draft_config(cfg, shape), len(shape["layers"]), shape.get("confidence", False), seed, masks
     )
 
 
 def make_drafter(shape, graphdef, cfg, k, sampler, tree) -> DFlash:
-    draft_cfg = draft_config(cfg, shape["n_layers"])
+    draft_cfg = draft_config(cfg, shape)
     layers, confidence = tuple(shape["layers"]), shape.get("confidence", False)
     max_k = shape["block_size"] - 1 if shape.get("learned_masks") else 0
     return DFlash(
@@ -460,7 +484,7 @@ def tiny_example(target, k, tree, sampler):
     """(drafter, params) of a fresh two-layer head on verify_exactness's tiny target."""
     cfg = target.cfg
     shape = head_shape(DFlashTraining(n_layers=2), cfg, None)
-    graphdef, params = init_dflash(cfg, 2, len(shape["layers"]), seed=1)
+    graphdef, params = init_dflash(draft_config(cfg, shape), len(shape["layers"]), seed=1)
     return make_drafter(shape, graphdef, cfg, k, sampler, tree), drafter_params(
         shape, params, cfg, target.params
     )
@@ -469,7 +493,15 @@ def tiny_example(target, k, tree, sampler):
 def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple[dict, dict]:
     """The head for the expanded target (`specjax.expand`): fc fuses the tapped layers' original dims; each
     layer as the expander builds a target layer, with the q/k rows rescaled for the per-head norms (their mean runs
-    over the wide head and their epsilon is the wide config's) and the extra dims of original key heads zeroed."""
+    over the wide head and their epsilon is the wide config's) and the extra dims of original key heads zeroed. A
+    draft with its own attention heads keeps them (only its width and MLP grow)."""
+    where = expansion.original_layers(cfg.n_layers)  # the target's layers in the expanded target
+    if "attention" in shape:
+        from specjax.expand import Expander
+
+        cfg = draft_config(cfg, shape)
+        expansion = dataclasses.replace(expansion, **dict(zip(ATTENTION, shape["attention"])))
+        ex = Expander(cfg, expansion)
     d, d2, hd, hd2 = cfg.dim, expansion.dim, cfg.head_dim, expansion.head_dim
     n_taps = p["fc"]["weight"].shape[1] // d
     fc = np.zeros((d2, n_taps * d2), ex.dt)
@@ -509,7 +541,6 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
     if "confidence" in p:  # reads the final features: zero columns for their extra (zero) dims
         w = p["confidence"]["weight"]
         new["confidence"] = {"weight": ex.pad(w, (w.shape[0], d2)), "bias": p["confidence"]["bias"]}
-    where = expansion.original_layers(cfg.n_layers)
     return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
 
 

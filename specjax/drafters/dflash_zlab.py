@@ -19,8 +19,10 @@ embedding scale, an output multiplier, logit soft-capping, causal or sliding-win
 variant (dynamic convolutions, candidate selector). A confidence head (DSpark's, specjax's own addition) is not
 exported: it reads the draft detached, so the exported head drafts the same distributions.
 
-This module does not import `specjax.drafters.dflash` (which registers these functions): fresh heads come from the
-registry (`specjax.heads.describe` / `new_heads`).
+This module does not import `specjax.drafters.dflash` (which registers these functions) at import time: fresh heads
+come from the registry (`specjax.heads.describe` / `new_heads`), the draft's config from its `draft_config` at call
+time. The draft's attention heads (`num_attention_heads`, `num_key_value_heads`, `head_dim`) may differ from the
+target's: they are the shape's `attention` then.
 """
 
 from __future__ import annotations
@@ -125,9 +127,24 @@ def _taps(hf: dict, where: Path, cfg: LlamaConfig, n_layers: int, n_taps: int) -
     return ids
 
 
+def _own_attention(hf: dict, where: Path, cfg: LlamaConfig) -> list[int] | None:
+    """The draft's attention heads [n_heads, n_kv_heads, head_dim] where they are not the target's (else None)."""
+    n = hf.get("num_attention_heads", cfg.n_heads)
+    kv = hf.get("num_key_value_heads") or n
+    hd = hf.get("head_dim") or (cfg.dim // n if isinstance(n, int) and n > 0 else None)
+    if not all(isinstance(v, int) and v > 0 for v in (n, kv, hd)):
+        raise CheckpointError(
+            f"{where.parent / 'config.json'} has {n!r} attention heads, {kv!r} key/value heads of dim {hd!r}, not "
+            "positive numbers; download it again"
+        )
+    return None if [n, kv, hd] == [cfg.n_heads, cfg.n_kv_heads, cfg.head_dim] else [n, kv, hd]
+
+
 def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
     """(meta, graphdef, params) of z-lab's DFlash head (`config.json` dict `hf`, tensors `t` from file `where`)."""
-    dim, hd = cfg.dim, cfg.head_dim
+    from specjax.drafters.dflash import draft_config
+
+    dim = cfg.dim
     n_layers = hf.get("num_hidden_layers")
     if not isinstance(n_layers, int) or n_layers < 1:
         raise CheckpointError(
@@ -141,7 +158,7 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
     published.check(where, "hidden size", hf.get("hidden_size"), dim)
     published.check(where, "a vocabulary of", hf.get("vocab_size"), cfg.vocab_size)
     published.check(where, "target layers (num_target_layers)", hf.get("num_target_layers"), cfg.n_layers)
-    check_published_layer({**hf, "model_type": "llama"}, where, cfg)
+    attention = _own_attention(hf, where, cfg)
     published.check_embedding(t, where, cfg, target_params)
     if t["fc.weight"].shape[1] % dim:
         raise CheckpointError(
@@ -163,6 +180,9 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
             "least one MASK: download it again"
         )
     shape = {"layers": layers, "n_layers": n_layers, "block_size": block_size, "mask_token": mask}
+    shape |= {"attention": attention} if attention else {}
+    draft = draft_config(cfg, shape)
+    check_published_layer({**hf, "model_type": "llama"}, where, draft)
     meta = heads.describe("dflash", shape, cfg)
     graphdef, fresh = heads.new_heads(meta, cfg, target_params)
 
@@ -171,10 +191,10 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
     pure_layers = {}
     for i in range(n_layers):
         prefix = f"layers.{i}."
-        layer = published.layer_from(t, where, cfg, prefix, dim, fresh["layers"][i])
+        layer = published.layer_from(t, where, draft, prefix, dim, fresh["layers"][i])
         layer["attn_norm"] = {"weight": get(prefix + "input_layernorm.weight", (dim,))}
         for norm in ("q_norm", "k_norm"):
-            layer[norm] = {"weight": get(f"{prefix}self_attn.{norm}.weight", (hd,))}
+            layer[norm] = {"weight": get(f"{prefix}self_attn.{norm}.weight", (draft.head_dim,))}
         pure_layers[i] = layer
         known |= set(_layer_names(prefix))
     unknown = sorted(set(t) - known)
@@ -214,7 +234,10 @@ def _layer_tensors(layer: dict, prefix: str, cfg: LlamaConfig) -> dict:
 
 def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
     """(tensors, config.json) of specjax's DFlash head `p` (numpy) in z-lab's layout (without a confidence head)."""
+    from specjax.drafters.dflash import draft_config
+
     shape = meta["shape"]
+    draft = draft_config(cfg, shape)
     if shape.get("learned_masks"):
         raise HeadsError(
             "this DFlash head learned a MASK embedding per block position; z-lab's layout has one MASK, the target's "
@@ -235,9 +258,9 @@ def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = No
         "norm.weight": p["norm"]["weight"],
     }
     for i in range(n_layers):
-        t |= _layer_tensors(p["layers"][i], f"layers.{i}.", cfg)
+        t |= _layer_tensors(p["layers"][i], f"layers.{i}.", draft)
     bias = "layers.0.self_attn.o_proj.bias" in t
-    config = published.layer_config_json(cfg, ARCHITECTURE, bias, t["fc.weight"].dtype)
+    config = published.layer_config_json(draft, ARCHITECTURE, bias, t["fc.weight"].dtype)
     config |= {
         "model_type": "qwen3",
         "num_hidden_layers": n_layers,

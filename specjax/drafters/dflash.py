@@ -162,11 +162,8 @@ def attend_blocks(q_BNTHD, k_BSKD, v_BSKD, sees_BNS, k_BNTKD, v_BNTKD):
     return out.reshape(b, n, t, h * d)
 
 
-ATTENTION = (
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-)  # a shape's "attention": the draft's own, where it has one
+# a shape's "attention": the draft's own attention heads, where it has them
+ATTENTION = ("n_heads", "n_kv_heads", "head_dim")
 
 
 def draft_config(target_cfg: LlamaConfig, shape: dict) -> LlamaConfig:

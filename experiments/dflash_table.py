@@ -74,6 +74,8 @@ def passes(drafter) -> int:
 
 
 def category_rows(target, categories: dict, quick: bool) -> list[dict]:
+    import jax
+
     from specjax.decoding import speculative_generate
 
     rows = []
@@ -93,6 +95,9 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
                     | dict(verified_per_round=float(np.dot(np.arange(len(hist)), hist) / hist.sum()))
                     | dict(a=m["acceptance_rate"], draft_passes_per_round=passes(drafter))
                 )
+            # each drafter's programs freed: XLA CPU maps every compiled program until JAX's caches let go, and
+            # this section's decodes, then the memory-bound runs, crashed on the process's vm.max_map_count
+            jax.clear_caches()
     return rows
 
 

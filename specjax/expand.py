@@ -127,6 +127,14 @@ class Expander:
         self.dmap = _dim_map(cfg.head_dim, e.head_dim)
         self.norm_scale = math.sqrt(cfg.dim / e.dim)
 
+    def keeping_heads(self, cfg: LlamaConfig) -> Expander:
+        """An expander of layers `cfg` (this model's width and MLP, attention heads of their own) to this expansion's
+        width and MLP, their attention heads kept as they are."""
+        e = dataclasses.replace(
+            self.e, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim
+        )
+        return Expander(cfg, e)
+
     def random(self, rng, shape):
         return (rng.standard_normal(shape, np.float32) * 0.02).astype(self.dt)
 

@@ -169,8 +169,7 @@ ATTENTION = ("n_heads", "n_kv_heads", "head_dim")
 def draft_config(target_cfg: LlamaConfig, shape: dict) -> LlamaConfig:
     """The draft's decoder layers (heads.json's `shape`): `n_layers` layers of the target's width and MLP, with the
     target's attention heads or the shape's own `attention` (n_heads, n_kv_heads, head_dim)."""
-    cfg = target_cfg.head_layers(shape["n_layers"])
-    return cfg.replace(**dict(zip(ATTENTION, shape["attention"]))) if "attention" in shape else cfg
+    return target_cfg.head_layers(shape["n_layers"], shape.get("attention"))
 
 
 def init_dflash(draft_cfg: LlamaConfig, n_taps: int, confidence: bool = False, seed: int = 0, masks=None):
@@ -494,11 +493,9 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
     draft with its own attention heads keeps them (only its width and MLP grow)."""
     where = expansion.original_layers(cfg.n_layers)  # the target's layers in the expanded target
     if "attention" in shape:
-        from specjax.expand import Expander
-
         cfg = draft_config(cfg, shape)
-        expansion = dataclasses.replace(expansion, **dict(zip(ATTENTION, shape["attention"])))
-        ex = Expander(cfg, expansion)
+        ex = ex.keeping_heads(cfg)
+        expansion = ex.e
     d, d2, hd, hd2 = cfg.dim, expansion.dim, cfg.head_dim, expansion.head_dim
     n_taps = p["fc"]["weight"].shape[1] // d
     fc = np.zeros((d2, n_taps * d2), ex.dt)

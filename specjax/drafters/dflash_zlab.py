@@ -19,10 +19,9 @@ embedding scale, an output multiplier, logit soft-capping, causal or sliding-win
 variant (dynamic convolutions, candidate selector). A confidence head (DSpark's, specjax's own addition) is not
 exported: it reads the draft detached, so the exported head drafts the same distributions.
 
-This module does not import `specjax.drafters.dflash` (which registers these functions) at import time: fresh heads
-come from the registry (`specjax.heads.describe` / `new_heads`), the draft's config from its `draft_config` at call
-time. The draft's attention heads (`num_attention_heads`, `num_key_value_heads`, `head_dim`) may differ from the
-target's: they are the shape's `attention` then.
+This module does not import `specjax.drafters.dflash` (which registers these functions): fresh heads come from the
+registry (`specjax.heads.describe` / `new_heads`). The draft's attention heads (`num_attention_heads`,
+`num_key_value_heads`, `head_dim`) may differ from the target's: they are the shape's `attention` then.
 """
 
 from __future__ import annotations
@@ -142,8 +141,6 @@ def _own_attention(hf: dict, where: Path, cfg: LlamaConfig) -> list[int] | None:
 
 def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, target_params):
     """(meta, graphdef, params) of z-lab's DFlash head (`config.json` dict `hf`, tensors `t` from file `where`)."""
-    from specjax.drafters.dflash import draft_config
-
     dim = cfg.dim
     n_layers = hf.get("num_hidden_layers")
     if not isinstance(n_layers, int) or n_layers < 1:
@@ -181,7 +178,7 @@ def load_published_heads(hf: dict, t: dict, where: Path, cfg: LlamaConfig, targe
         )
     shape = {"layers": layers, "n_layers": n_layers, "block_size": block_size, "mask_token": mask}
     shape |= {"attention": attention} if attention else {}
-    draft = draft_config(cfg, shape)
+    draft = cfg.head_layers(n_layers, attention)
     check_published_layer({**hf, "model_type": "llama"}, where, draft)
     meta = heads.describe("dflash", shape, cfg)
     graphdef, fresh = heads.new_heads(meta, cfg, target_params)
@@ -234,10 +231,8 @@ def _layer_tensors(layer: dict, prefix: str, cfg: LlamaConfig) -> dict:
 
 def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = None) -> tuple[dict, dict]:
     """(tensors, config.json) of specjax's DFlash head `p` (numpy) in z-lab's layout (without a confidence head)."""
-    from specjax.drafters.dflash import draft_config
-
     shape = meta["shape"]
-    draft = draft_config(cfg, shape)
+    draft = cfg.head_layers(shape["n_layers"], shape.get("attention"))
     if shape.get("learned_masks"):
         raise HeadsError(
             "this DFlash head learned a MASK embedding per block position; z-lab's layout has one MASK, the target's "

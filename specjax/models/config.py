@@ -125,11 +125,12 @@ class LlamaConfig:
             if k not in FAMILY_DEFAULTS or v != FAMILY_DEFAULTS[k]
         }
 
-    def head_layers(self, n_layers: int) -> LlamaConfig:
+    def head_layers(self, n_layers: int, attention=None) -> LlamaConfig:
         """`n_layers` plain Llama layers of this model's shape and RoPE (what trained heads are made of, whatever
-        the target's family)."""
+        the target's family), with attention heads `attention` = (n_heads, n_kv_heads, head_dim) where given."""
+        own = {} if attention is None else dict(zip(("n_heads", "n_kv_heads", "head_dim"), attention))
         return self.replace(
-            n_layers=n_layers, **{k: v for k, v in FAMILY_DEFAULTS.items() if k not in HEAD_KEEPS}
+            n_layers=n_layers, **{k: v for k, v in FAMILY_DEFAULTS.items() if k not in HEAD_KEEPS}, **own
         )
 
     def select_layers(self, layers) -> LlamaConfig:

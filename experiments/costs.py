@@ -31,7 +31,6 @@ def pass_loop(step, params, cache, b: int, t: int, calls: int):
     time by `calls`."""
     length = cache.length
 
-    @jax.jit
     def loop(params, c):
         c = c.with_length(length)
 

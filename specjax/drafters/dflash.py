@@ -33,7 +33,7 @@ from specjax.drafting import registry
 from specjax.drafting.protocol import KOrTree, target_io, target_signature
 from specjax.drafting.trees import DynamicTree, Tree
 from specjax.errors import DrafterError, HeadsError
-from specjax.models.config import LlamaConfig
+from specjax.models.config import ATTENTION, LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, apply_rope, init_cache, rope_angles
 from specjax.sampling import Sampler
 from specjax.training import divergences, losses
@@ -160,10 +160,6 @@ def attend_blocks(q_BNTHD, k_BSKD, v_BSKD, sees_BNS, k_BNTKD, v_BNTKD):
     out = jnp.einsum("bnkgts,bskd->bntkgd", probs[..., : k_BSKD.shape[1]], v_BSKD)
     out = out + jnp.einsum("bnkgtu,bnukd->bntkgd", probs[..., k_BSKD.shape[1] :], v_BNTKD)
     return out.reshape(b, n, t, h * d)
-
-
-# a shape's "attention": the draft's own attention heads, where it has them
-ATTENTION = ("n_heads", "n_kv_heads", "head_dim")
 
 
 def draft_config(target_cfg: LlamaConfig, shape: dict) -> LlamaConfig:

@@ -128,7 +128,7 @@ class LlamaConfig:
     def head_layers(self, n_layers: int, attention=None) -> LlamaConfig:
         """`n_layers` plain Llama layers of this model's shape and RoPE (what trained heads are made of, whatever
         the target's family), with attention heads `attention` = (n_heads, n_kv_heads, head_dim) where given."""
-        own = {} if attention is None else dict(zip(("n_heads", "n_kv_heads", "head_dim"), attention))
+        own = {} if attention is None else dict(zip(ATTENTION, attention))
         return self.replace(
             n_layers=n_layers, **{k: v for k, v in FAMILY_DEFAULTS.items() if k not in HEAD_KEEPS}, **own
         )
@@ -243,6 +243,7 @@ class LlamaConfig:
 _FIELDS = dataclasses.fields(LlamaConfig)
 FAMILY_DEFAULTS = {f.name: f.default for f in _FIELDS[[f.name for f in _FIELDS].index("family") :]}
 HEAD_KEEPS = ("rope_linear_factor", "rope_yarn")  # a head keeps the target's (full layers') RoPE
+ATTENTION = ("n_heads", "n_kv_heads", "head_dim")  # the fields `head_layers`' `attention` sets
 
 
 def yarn_inv_freq(theta, dim, factor, beta_fast, beta_slow, original_max, truncate) -> np.ndarray:

@@ -105,13 +105,17 @@ def head_step(drafter, dim: int):
 
 
 def dflash_step(drafter):
-    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each)."""
+    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each) and
+    its Markov head's bias at every position (if it has one)."""
+    from flax import nnx
+
     from specjax.drafters.dflash import dflash_block, dflash_extend
 
     def step(params, tokens, positions, cache, mask):
         taps = jnp.zeros((*tokens.shape, drafter.taps_width), jnp.float32) + tokens[..., None]
         cache = dflash_extend(drafter.graphdef, params, taps, positions, cache)
-        return dflash_block(drafter.graphdef, params, tokens, positions, cache)[0], cache
+        logits = dflash_block(drafter.graphdef, params, tokens, positions, cache)[0]
+        return logits + nnx.merge(drafter.graphdef, params["head"]).bias(tokens), cache
 
     return step
 

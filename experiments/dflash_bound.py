@@ -7,7 +7,9 @@ intermediate tokens drawn at t_c. `marginals` estimates it (Rao-Blackwellised: t
 distributions over sampled intermediates); drafting from it (its argmax at T = 0, independent draws at T = 1, as a
 DFlash chain does) and verifying with the target gives the tau of a head that reached its objective's optimum: the
 ceiling that a head trained on the same objective approaches as its capacity and training grow. The head's own tau
-on the same contexts, drafted and verified the same way, says how far from it a trained head is.
+on the same contexts, drafted and verified the same way, says how far from it a trained head is. A head with a
+Markov head (DSpark's) tilts each position by the token drafted before it: it is drafted so here, and this ceiling,
+which is for positions drawn independently, does not bound it.
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ def _block_logits(graphdef, params, seqs_BS, taps_BSF, anchors_B, k: int, mask_t
     return jnp.einsum("bid,vd->biv", x[:, 0, 1:], params["unembed"]).astype(jnp.float32)
 
 
-def head_distributions(target, heads_dir, ctx: list, k: int) -> np.ndarray:
-    """[C, k, V]: a DFlash head's block distributions after each context (its last token is the anchor)."""
+def head_distributions(target, heads_dir, ctx: list, k: int):
+    """(q [C, k, V], tilt): a DFlash head's block distributions after each context (its last token is the anchor),
+    and its Markov head's bias `tilt(previous tokens [...]) -> [..., V]` on each position's logits (None: none)."""
     from specjax import heads
 
     meta, graphdef, params = heads.load_heads(heads_dir, target.cfg, target.params)
@@ -122,32 +125,56 @@ def head_distributions(target, heads_dir, ctx: list, k: int) -> np.ndarray:
         k,
         meta["shape"]["mask_token"],
     )
-    return np.asarray(jax.nn.softmax(logits, -1))
+    tilt = None
+    if "markov" in params:
+        inp, out = (np.asarray(params["markov"][n], np.float32) for n in ("inp", "out"))
+        tilt = lambda previous: inp[previous] @ out
+    return np.asarray(jax.nn.softmax(logits, -1)), tilt
 
 
-def greedy_tau(target, ctx: list, q: np.ndarray) -> np.ndarray:
-    """[k]: how often the chain argmax q, verified greedily by the target, is accepted up to each position (tau is
-    1 + its sum)."""
-    draft = q.argmax(-1)
+def _tilted(q_xV, tilt, previous_x):
+    """q tilted by the Markov bias after `previous_x` (q itself without a tilt)."""
+    if tilt is None:
+        return q_xV
+    logits = np.log(np.maximum(q_xV, 1e-30)) + tilt(previous_x)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def greedy_tau(target, ctx: list, q: np.ndarray, tilt=None) -> np.ndarray:
+    """[k]: how often the chain argmax q (each position tilted by `tilt` after the token drafted before it), verified
+    greedily by the target, is accepted up to each position (tau is 1 + its sum)."""
+    previous, draft = np.asarray([c[-1] for c in ctx]), []
+    for i in range(q.shape[1]):
+        previous = _tilted(q[:, i], tilt, previous).argmax(-1)
+        draft.append(previous)
+    draft = np.stack(draft, 1)
     logits, _ = _target_pass(target, _padded([c + list(d) for c, d in zip(ctx, draft)]))
     ok = _at(logits, [len(c) - 1 for c in ctx], q.shape[1]).argmax(-1) == draft
     return np.cumprod(ok, -1).mean(0)
 
 
-def sampled_tau(target, ctx: list, q: np.ndarray, n_chains: int, seed: int = 0) -> np.ndarray:
+def sampled_tau(target, ctx: list, q: np.ndarray, n_chains: int, seed: int = 0, tilt=None) -> np.ndarray:
     """[k]: how often `n_chains` chains per context, drawn position by position from q (independently, as a block
-    draft is) and accepted by the token-wise rule at T = 1 against the target, are accepted up to each position."""
+    draft is, or tilted by `tilt` after the token drawn before) and accepted by the token-wise rule at T = 1
+    against the target, are accepted up to each position."""
     rng = np.random.default_rng(seed)
     c, k, v = q.shape
     u = rng.random((c, n_chains, k, 1))
-    draft = np.minimum((np.cumsum(q, -1)[:, None] < u).sum(-1), v - 1)  # [C, M, k]
+    previous = np.broadcast_to(np.asarray([x[-1] for x in ctx])[:, None], (c, n_chains))
+    draft, q_d = [], []
+    for i in range(k):
+        q_i = _tilted(np.broadcast_to(q[:, None, i], (c, n_chains, v)), tilt, previous)
+        previous = np.minimum((np.cumsum(q_i, -1) < u[:, :, i]).sum(-1), v - 1)  # [C, M]
+        draft.append(previous)
+        q_d.append(np.take_along_axis(q_i, previous[..., None], -1)[..., 0])
+    draft, q_d = np.stack(draft, -1), np.stack(q_d, -1)  # [C, M, k]
     rows = [ctx[i] + list(draft[i, j]) for i in range(c) for j in range(n_chains)]
     logits, _ = _target_pass(target, _padded(rows))
     p = np.asarray(jax.nn.softmax(_at(logits, [len(r) - k - 1 for r in rows], k), -1)).reshape(
         c, n_chains, k, v
     )
     p_d = np.take_along_axis(p, draft[..., None], -1)[..., 0]
-    q_d = np.take_along_axis(np.broadcast_to(q[:, None], p.shape), draft[..., None], -1)[..., 0]
     ok = rng.random(p_d.shape) < np.minimum(1.0, p_d / q_d)
     return np.cumprod(ok, -1).mean((0, 1))
 
@@ -156,7 +183,9 @@ TITLE = (
     "The tau a block draft could reach on stories260K (B = 8, contexts every 8 tokens of the free prompts' decoding): "
     "the committed head against its training objective's optimum, the target's own per-position marginals over "
     "intermediate tokens drawn at the corpus's temperature, drafted and verified alike (T = 0: greedy; T = 1: "
-    "independent draws per position, token-wise acceptance); reaches_i: the share of drafts accepted up to position i"
+    "independent draws per position, token-wise acceptance; the head with its Markov head, if it has one, tilting "
+    "each position by the token drafted before it, which this optimum of independent positions does not bound); "
+    "reaches_i: the share of drafts accepted up to position i"
 )
 
 
@@ -169,11 +198,16 @@ def rows(target, heads_dir: Path, k: int = 7, n_paths: int = 64, n_chains: int =
         ctx = contexts(target, prompts, t, 64, 8, k)
         drafts = {f"DFlash head ({heads_dir.name})": head_distributions(target, heads_dir, ctx, k)}
         for t_c in (1.0, 0.5, 0.0):
-            drafts[f"its objective's optimum, corpus at T={t_c:g}"] = marginals(
-                target, ctx, k, t_c, n_paths
+            drafts[f"its objective's optimum, corpus at T={t_c:g}"] = (
+                marginals(target, ctx, k, t_c, n_paths),
+                None,
             )
-        for name, q in drafts.items():
-            reach = greedy_tau(target, ctx, q) if t == 0 else sampled_tau(target, ctx, q, n_chains)
+        for name, (q, tilt) in drafts.items():
+            reach = (
+                greedy_tau(target, ctx, q, tilt)
+                if t == 0
+                else sampled_tau(target, ctx, q, n_chains, tilt=tilt)
+            )
             out.append(
                 dict(T=t, draft=name, contexts=len(ctx), tau=1 + float(reach.sum()))
                 | {f"reaches_{i}": float(reach[i - 1]) for i in (1, 2, 4, k)}

@@ -36,12 +36,21 @@ OWN = [2, 1, 24]
 
 
 def dflash(
-    cfg, params, n_layers=2, block_size=4, seed=3, confidence=False, learned_masks=False, attention=None
+    cfg,
+    params,
+    n_layers=2,
+    block_size=4,
+    seed=3,
+    confidence=False,
+    learned_masks=False,
+    attention=None,
+    markov=0,
 ):
-    """(meta, graphdef, head params) of a fresh DFlash head (`attention`: its own heads); learned MASK embeddings
-    moved off their start."""
+    """(meta, graphdef, head params) of a fresh DFlash head (`attention`: its own heads; `markov`: a Markov head's
+    rank); learned MASK embeddings and the Markov head's bias moved off their start."""
     shape = {"layers": list(LAYERS), "n_layers": n_layers, "block_size": block_size, "mask_token": 0}
     shape |= {"attention": attention} if attention else {}
+    shape |= {"markov": markov} if markov else {}
     shape |= ({"confidence": True} if confidence else {}) | (
         {"learned_masks": True} if learned_masks else {}
     )
@@ -50,6 +59,10 @@ def dflash(
     if learned_masks:
         noise = np.random.default_rng(seed).standard_normal(hparams["masks"].shape)
         hparams["masks"] = hparams["masks"] + jnp.asarray(noise, hparams["masks"].dtype)
+    if markov:
+        hparams["markov"]["out"] = jnp.asarray(
+            20 * np.random.default_rng(seed).standard_normal((markov, cfg.vocab_size))
+        )
     return meta, graphdef, hparams
 
 
@@ -59,9 +72,10 @@ def drafter(cfg, params, head, k, sampler=Sampler(), tree=None):  # noqa: B008 (
     return d, heads.drafter_params(meta, hparams, cfg, params)
 
 
-def test_greedy_equals_ar():
+@pytest.mark.parametrize("markov", [0, 8])
+def test_greedy_equals_ar(markov):
     cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
-    head = dflash(cfg, params)
+    head = dflash(cfg, params, markov=markov)
     for tree in (None, balanced(2, 3), DynamicTree(3, 3, 8)):
         d, dparams = drafter(cfg, params, head, 3, tree=tree)
         gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
@@ -74,6 +88,30 @@ def test_dynamic_tree_sampling_is_exact():
     test_greedy_equals_ar's)."""
     report = verify_exactness.verify("dflash", ("tokenwise",), tree="dynamic:2,2,4", greedy=False)
     assert report.passed, report.format()
+
+
+def test_a_markov_head_tilts_each_draft_by_the_token_before_it():
+    """With a Markov head, draft token i is drawn from the plain head's distribution at position i tilted by the
+    Markov bias of draft token i - 1 (of the pending token for i = 1): log q - log q_plain - bias is constant."""
+    graphdef, params = TARGET
+    meta, hgraph, hparams = dflash(TINY, params, markov=8)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(3, TINY.vocab_size, (2, 8)), jnp.int32)
+    feats = target_features(TINY, graphdef, params, tokens, LAYERS)
+    plain = hparams | {"markov": {**hparams["markov"], "out": jnp.zeros_like(hparams["markov"]["out"])}}
+
+    def draft(hp):
+        d, dparams = drafter(TINY, params, (meta, hgraph, hp), 3, Sampler(1.0))
+        state = d.init(dparams, tokens[:, :6], jnp.full((2,), 6), 32, feats[:, :6])
+        return d.propose(dparams, state, tokens, jnp.full((2,), 7), jax.random.key(1))[0]
+
+    tilted, untilted = draft(hparams), draft(plain)
+    previous = jnp.concatenate([tokens[:, 6:7], tilted.tokens[:, :-1]], 1)
+    bias = jnp.take(hparams["markov"]["inp"], previous, axis=0) @ hparams["markov"]["out"]
+    gap = jnp.log(tilted.q_probs) - jnp.log(untilted.q_probs) - bias
+    spread = gap - jnp.mean(gap, -1, keepdims=True)
+    scale = float(jnp.abs(jnp.log(tilted.q_probs)).max() + jnp.abs(bias).max())
+    assert_close(spread, jnp.zeros_like(spread), dtype=jnp.float32, depth=4, magnitude=scale)
+    assert float(jnp.abs(bias - jnp.mean(bias, -1, keepdims=True)).max()) > 1.0  # the bias does tilt
 
 
 def test_paper_layers():
@@ -101,7 +139,7 @@ def training_case():
     feats = target_features(TINY, graphdef, params, tokens, LAYERS)
     # the draft's own attention heads: 2 query heads of dim 24 sharing one key/value head (TINY's: 4 of 8, 2 of 8)
     meta, hgraph, hparams = dflash(
-        TINY, params, block_size=4, confidence=True, learned_masks=True, attention=OWN
+        TINY, params, block_size=4, confidence=True, learned_masks=True, attention=OWN, markov=4
     )
     return hgraph, heads.drafter_params(meta, hparams, TINY, params), feats, tokens
 
@@ -174,7 +212,9 @@ def test_learned_masks_are_the_block_inputs(training_case):
     """A head's learned MASK embeddings are its block's inputs after the anchor: at their start (the target's
     embedding of mask_token) it drafts what the same head without them drafts; moved, it drafts otherwise."""
     hgraph, dparams, feats, tokens = training_case
-    plain_meta, plain_graph, _ = dflash(TINY, TARGET[1], block_size=4, confidence=True, attention=OWN)
+    plain_meta, plain_graph, _ = dflash(
+        TINY, TARGET[1], block_size=4, confidence=True, attention=OWN, markov=4
+    )
     plain = dparams | {"head": {k: v for k, v in dparams["head"].items() if k != "masks"}}
     start = dparams | {"head": dparams["head"] | {"masks": jnp.tile(dparams["embed"][:1], (3, 1))}}
     depth = forward_depth(2) + 2
@@ -291,22 +331,25 @@ def test_confidence_sized_sampling_is_exact(monkeypatch):
     assert report.passed, report.format()  # greedy: test_confidence_sized_rounds_equal_ar
 
 
-@pytest.mark.parametrize("attention", [None, [4, 2, 16]])
-def test_expanded_head_drafts_the_same_distributions(stories, attention):
+@pytest.mark.parametrize("attention, markov", [(None, 0), ([4, 2, 16], 0), (None, 8)])
+def test_expanded_head_drafts_the_same_distributions(stories, attention, markov):
     """On the function-preserving expansion of stories260K (`specjax.expand`), the expanded head's block
-    logits and confidence scores equal the original's (its per-head norms see the wide heads), for a head with the
-    target's attention heads and one with its own (kept as they are); a head of the target's heads expanded as a
-    plain target layer (query and key rows unscaled for the norms over the wider heads) does not."""
+    logits, Markov biases and confidence scores equal the original's (its per-head norms see the wide heads), for a
+    head with the target's attention heads, one with its own (kept as they are) and one with a Markov head; a head
+    of the target's heads expanded as a plain target layer (query and key rows unscaled for the norms over the wider
+    heads) does not."""
+    from flax import nnx
+
     from specjax import expand
 
     e = expand.SMOKE
     big = expand.expand(stories.cfg, stories.params, e)
     shape = {"layers": [0, 2, 4], "n_layers": 2, "block_size": 8, "mask_token": 0, "confidence": True}
-    shape |= {"attention": attention} if attention else {}
+    shape |= ({"attention": attention} if attention else {}) | ({"markov": markov} if markov else {})
     meta = heads.describe("dflash", shape | {"learned_masks": True}, stories.cfg)
     graphdef, hparams = heads.new_heads(meta, stories.cfg, stories.params, 1)
-    # drafts far from uniform, learned MASK embeddings off their start
-    hparams = jax.tree.map(lambda x: 3 * x if x.ndim == 2 else x, hparams)
+    # drafts far from uniform, learned MASK embeddings and the Markov head off their start
+    hparams = jax.tree.map(lambda x: 3 * x + 0.1 if x.ndim == 2 else x, hparams)
     big_head = expand.expand_heads(meta, hparams, stories.cfg, big[0], big[2], e)
     tokens = jnp.asarray([stories.tokenizer.encode("Once upon a time there was a little dog")], jnp.int32)
     n = tokens.shape[1] - 1
@@ -319,13 +362,16 @@ def test_expanded_head_drafts_the_same_distributions(stories, attention):
         taps = feats[:, :n, : 3 * cfg.dim]
         cache = dflash_extend(hg, dparams, taps, jnp.arange(n)[None], cache).with_length(jnp.array([n]))
         block = jnp.concatenate([tokens[:, n:], jnp.zeros((1, 7), jnp.int32)], 1)
-        logits, confidence = dflash_block(hg, dparams, block, n + jnp.arange(8)[None], cache)
-        return jnp.concatenate([logits, confidence], -1)
+        logits, x = dflash_block(hg, dparams, block, n + jnp.arange(8)[None], cache)
+        head = nnx.merge(hg, dparams["head"])
+        return jnp.concatenate([logits + head.bias(block), head.acceptance(x, block)], -1)
 
     small = block_logits(stories.cfg, stories.graphdef, stories.params, (meta, graphdef, hparams))
     wide = block_logits(big[0], big[1], big[2], big_head)
     depth = forward_depth(big[0].n_layers) + forward_depth(2)
-    assert_close(wide, small, dtype=jnp.float32, depth=depth)  # the logits, then the confidence head's
+    assert_close(
+        wide, small, dtype=jnp.float32, depth=depth
+    )  # the biased logits, then the confidence head's
     if attention:
         return
     plain = jax.tree.map(lambda x: x, big_head[2])

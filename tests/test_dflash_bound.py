@@ -38,3 +38,28 @@ def test_sampled_acceptance_is_one_minus_the_total_variation(stories, greedy_con
     assert abs(measured - rate) < 4 * np.sqrt(rate * (1 - rate) / n)
     uniform = np.full_like(p, 1 / p.shape[-1])
     assert bound.sampled_tau(stories, greedy_contexts, uniform, 32)[0] < rate - 0.2
+
+
+def test_a_markov_tilt_follows_the_token_drafted_before(stories, greedy_contexts):
+    """A Markov head's tilt acts on each position after the token drafted before it: a tilt towards each token's
+    successor in the target's greedy chains turns the refused late distributions into the accepted chain; a zero
+    tilt changes nothing (the same draws)."""
+    ctx = greedy_contexts[:1]  # one chain: each of its tokens has one successor
+    q = bound.marginals(stories, ctx, K, 0.0, n_paths=2)
+    chains = [[c[-1], *d] for c, d in zip(ctx, q.argmax(-1))]
+    successor = {a: b for chain in chains for a, b in zip(chain, chain[1:])}
+    assert all(
+        successor[a] == b for chain in chains for a, b in zip(chain, chain[1:])
+    )  # one successor each
+    vocab = q.shape[-1]
+    toward = np.zeros((vocab, vocab))
+    for a, b in successor.items():
+        toward[a, b] = 50.0
+    late = np.concatenate([q[:, :1], q[:, :-1]], 1)
+    assert bound.greedy_tau(stories, ctx, late)[1] == 0.0
+    assert bound.greedy_tau(stories, ctx, late, lambda prev: toward[prev]).tolist() == [1.0] * K
+    zero = lambda prev: np.zeros((*np.shape(prev), vocab))
+    mixed = 0.5 * q + 0.5 / vocab
+    np.testing.assert_array_equal(
+        bound.sampled_tau(stories, ctx, mixed, 16, tilt=zero), bound.sampled_tau(stories, ctx, mixed, 16)
+    )

@@ -154,15 +154,17 @@ def _record(n_tokens, n_accepted):
 
 def generate_head(stories, where):
     """(meta, graphdef, params) of the committed head (`make heads`) without its confidence head (which reads the
-    draft detached: the same drafts), else of a fresh one, written to `where` in z-lab's layout. z-lab's id of the
+    draft detached: the same drafts) and its Markov head (which z-lab's layout cannot hold: the block pass's own
+    drafts), else of a fresh one, written to `where` in z-lab's layout. z-lab's id of the
     target's last layer reads transformers' final normed features, not that layer's output, which specjax taps:
     a head tapping it is written with other ids, and the reference reads its taps from the layers' outputs
     (forward hooks; for the other layers the same as `hidden_states[id + 1]`)."""
     cfg, committed = stories.cfg, HEADS / "stories260K_dflash"
     if committed.exists():
         meta, _, p = heads.load_heads(committed, cfg, stories.params)
-        meta = {**meta, "shape": {k: v for k, v in meta["shape"].items() if k != "confidence"}}
-        p = {k: v for k, v in p.items() if k != "confidence"}
+        apart = ("confidence", "markov")
+        meta = {**meta, "shape": {k: v for k, v in meta["shape"].items() if k not in apart}}
+        p = {k: v for k, v in p.items() if k not in apart}
     else:
         meta, _, p = fresh_head(cfg, stories.params)
     shape = meta["shape"]
@@ -263,6 +265,15 @@ def test_what_the_head_cannot_hold_is_refused(stories, exported, tmp_path, chang
     with pytest.raises(CheckpointError, match=message) as err:
         published.load_published(head, "dflash", stories.cfg, stories.params)
     assert "\n" not in str(err.value)
+
+
+def test_a_head_with_a_markov_head_is_not_exported(stories, tmp_path):
+    meta, _, p = fresh_head(stories.cfg, stories.params)
+    with pytest.raises(HeadsError, match="Markov head"):
+        published.export_published(
+            meta | {"shape": meta["shape"] | {"markov": 4}}, p, tmp_path / "head", stories.cfg
+        )
+    assert not (tmp_path / "head").exists()
 
 
 def test_a_head_tapping_the_last_layer_is_not_exported(stories, tmp_path):

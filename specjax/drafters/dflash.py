@@ -77,8 +77,28 @@ class DFlashLayer(Block):
         return k, kvp[..., kv * hd :].reshape(b, n, kv, hd)
 
 
+class MarkovBias(nnx.Module):
+    """DSpark's Markov head: a low-rank bias on a block position's logits from the token before it,
+    `inp[token] @ out` ([V, r] x [r, V]); `out` starts at zero (the plain head's drafts)."""
+
+    def __init__(self, vocab: int, rank: int, dt, rngs: nnx.Rngs):
+        self.inp = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, rank), dt))
+        self.out = nnx.Param(jnp.zeros((rank, vocab), dt))
+
+    def __call__(self, previous_x):
+        return (jnp.take(self.inp[...], previous_x, axis=0) @ self.out[...]).astype(jnp.float32)
+
+
 class DFlashHead(nnx.Module):
-    def __init__(self, draft_cfg: LlamaConfig, n_taps: int, confidence: bool, rngs: nnx.Rngs, masks=None):
+    def __init__(
+        self,
+        draft_cfg: LlamaConfig,
+        n_taps: int,
+        confidence: bool,
+        rngs: nnx.Rngs,
+        masks=None,
+        markov: int = 0,
+    ):
         dt, dim = jnp.dtype(draft_cfg.dtype), draft_cfg.dim
         # learned MASK embeddings [B - 1, H], one per block position (None: the target's embedding of mask_token)
         self.masks = None if masks is None else nnx.Param(jnp.asarray(masks, dt))
@@ -87,8 +107,10 @@ class DFlashHead(nnx.Module):
         self.layers = nnx.List([DFlashLayer(draft_cfg, i, rngs) for i in range(draft_cfg.n_layers)])
         self.norm = RMSNorm(dim, draft_cfg.norm_eps, dt)
         # DSpark's confidence head: logits of each block position's acceptance given all before it, greedy and
-        # sampled (T = 1)
-        self.confidence = Linear(dim, 2, True, dt, rngs) if confidence else None
+        # sampled (T = 1), from its features and the Markov head's embedding of the token before it (if any)
+        self.confidence = Linear(dim + markov, 2, True, dt, rngs) if confidence else None
+        # rank of the Markov head (`MarkovBias`; 0: none): drafted tokens then depend on the one before them
+        self.markov = MarkovBias(draft_cfg.vocab_size, markov, dt, rngs) if markov else None
         self.inv_freq = tuple(float(f) for f in draft_cfg.inv_freq())
 
     def embed(self, embed_VH, tokens_BxT):
@@ -124,6 +146,19 @@ class DFlashHead(nnx.Module):
         for layer in self.layers:
             x, cache = layer(x, cos, sin, cache, visible, 0)
         return self.norm(x)
+
+    def acceptance(self, x, previous_x):
+        """The confidence head's logits [..., 2] of each position's acceptance from its final features `x` and the
+        token before it (which only a Markov head reads; its embedding detached: this head's loss leaves the draft
+        alone)."""
+        if self.markov is not None:
+            embedding = jax.lax.stop_gradient(jnp.take(self.markov.inp[...], previous_x, axis=0))
+            x = jnp.concatenate([x, embedding.astype(x.dtype)], -1)
+        return self.confidence(x).astype(jnp.float32)
+
+    def bias(self, previous_x):
+        """The Markov head's logit bias [..., V] for positions after the tokens `previous_x` (0 without one)."""
+        return 0.0 if self.markov is None else self.markov(previous_x)
 
     def blocks(self, embeds_BNTH, positions_BNT, taps_BSF, anchors_BN):
         """Training: the final features [B, N, T, H] of N blocks over one sequence's S context positions, block n
@@ -168,9 +203,17 @@ def draft_config(target_cfg: LlamaConfig, shape: dict) -> LlamaConfig:
     return target_cfg.head_layers(shape["n_layers"], shape.get("attention"))
 
 
-def init_dflash(draft_cfg: LlamaConfig, n_taps: int, confidence: bool = False, seed: int = 0, masks=None):
-    """(graphdef, params as a pure dict) of a fresh head; `masks` [B - 1, H]: learned MASK embeddings' start."""
-    head = DFlashHead(draft_cfg, n_taps, confidence, nnx.Rngs(seed), masks)
+def init_dflash(
+    draft_cfg: LlamaConfig,
+    n_taps: int,
+    confidence: bool = False,
+    seed: int = 0,
+    masks=None,
+    markov: int = 0,
+):
+    """(graphdef, params as a pure dict) of a fresh head; `masks` [B - 1, H]: learned MASK embeddings' start;
+    `markov`: the Markov head's rank (0: none)."""
+    head = DFlashHead(draft_cfg, n_taps, confidence, nnx.Rngs(seed), masks, markov)
     graphdef, state = nnx.split(head)
     return graphdef, nnx.to_pure_dict(state)
 
@@ -185,13 +228,13 @@ def dflash_extend(graphdef, params, taps_BNF, positions_BN, cache):
 @precision.follows_params
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def dflash_block(graphdef, params, tokens_BT, positions_BT, cache):
-    """(logits [B, T, V] float32, confidence logits [B, T, 2] float32 or None) of the block `tokens_BT` over the
-    committed context; position i >= 1 is the distribution of draft token i. `params` = {"head", "embed",
-    "unembed"}."""
+    """(logits [B, T, V] float32, final features [B, T, H]) of the block `tokens_BT` over the committed context;
+    position i >= 1 is the distribution of draft token i (without the Markov head's bias, which depends on draft
+    token i - 1). `params` = {"head", "embed", "unembed"}."""
     head = nnx.merge(graphdef, params["head"])
     x = head(head.embed(params["embed"], tokens_BT), positions_BT, cache)
     logits = jnp.einsum("btd,vd->btv", x, params["unembed"]).astype(jnp.float32)
-    return logits, None if head.confidence is None else head.confidence(x).astype(jnp.float32)
+    return logits, x
 
 
 @struct.dataclass
@@ -274,17 +317,21 @@ class DFlash(KOrTree):
         pending = jnp.take_along_axis(seq_BS, (n_tokens_B - 1)[:, None], axis=1)
         tokens = jnp.concatenate([pending, jnp.full((pending.shape[0], self.k), self.mask_token)], 1)
         positions = (n_tokens_B - 1)[:, None] + jnp.arange(b)[None]
-        logits, confidence = dflash_block(self.graphdef, params, tokens.astype(jnp.int32), positions, cache)
+        logits, x = dflash_block(self.graphdef, params, tokens.astype(jnp.int32), positions, cache)
         logits = logits[:, 1:]
+        head = nnx.merge(self.graphdef, params["head"])
 
         def step(cache_, tokens_BT, positions_BT, mask_BTW, ctx):  # a node's children: the next position's
             depth = positions_BT - n_tokens_B[:, None] + 1
             index = jnp.minimum(depth, self.k - 1)[..., None]
-            return jnp.take_along_axis(logits, index, axis=1), ctx, cache_
+            return jnp.take_along_axis(logits, index, axis=1) + head.bias(tokens_BT), ctx, cache_
 
-        draft, _ = self.shape.search(step, self.sampler, logits[:, 0], None, n_tokens_B, cache, key)
+        first = logits[:, 0] + head.bias(pending[:, 0])
+        draft, _ = self.shape.search(step, self.sampler, first, None, n_tokens_B, cache, key)
         if self.verify_lengths:
-            draft = draft.replace(lengths=self.verify_lengths, choice=self.choose(confidence[:, 1:]))
+            previous = jnp.concatenate([pending, draft.tokens[:, :-1]], 1)
+            confidence = head.acceptance(x[:, 1:], previous)
+            draft = draft.replace(lengths=self.verify_lengths, choice=self.choose(confidence))
         return draft, DFlashState(cache, state.taps)
 
     def choose(self, confidence_BK2):
@@ -335,7 +382,8 @@ def dflash_loss(
     token a + i and the block's ("cross_entropy": against the data's token a + i). A confidence head adds
     `confidence_weight` x its binary cross-entropy (unweighted by position) against each position's acceptance:
     greedy, the argmaxes agree; sampled, 1 - TVD(p, q) (`divergences.acceptance`); it reads the draft's features
-    detached, so it does not change the draft.
+    detached, so it does not change the draft. A Markov head's bias at position i follows the data's token
+    a + i - 1 (the anchor at i = 1).
     `feats_BTF`: the tapped layers' outputs then the final features."""
     b, t, width = feats_BTF.shape
     taps, final = feats_BTF[..., : width - dim], feats_BTF[..., width - dim :]
@@ -349,6 +397,8 @@ def dflash_loss(
     # token a + i; its target distribution is at a + i - 1
     predicted = jnp.minimum(positions[:, :, 1:], t - 1)
     at = lambda a_BT, idx=predicted: jax.vmap(lambda row, i: row[i])(a_BT, idx)
+    previous = at(tokens_BT, predicted - 1)  # the data's token a + i - 1
+    logits = logits + head.bias(previous)
     unembed = jax.lax.stop_gradient(params["unembed"])
     target_logits = at(jnp.einsum("btd,vd->btv", final, unembed).astype(jnp.float32), predicted - 1)
     i = offsets[1:]
@@ -366,7 +416,7 @@ def dflash_loss(
         sampled, _ = divergences.acceptance(target_logits, jax.lax.stop_gradient(logits))
         labels = jnp.stack([hit.astype(jnp.float32), sampled], -1)
         # its loss leaves the draft alone
-        scores = head.confidence(jax.lax.stop_gradient(x)).astype(jnp.float32)
+        scores = head.acceptance(jax.lax.stop_gradient(x), previous)
         bce = jnp.sum(optax.sigmoid_binary_cross_entropy(scores, labels), -1)
         metrics["confidence_bce"] = losses.masked_mean(bce, counted.astype(jnp.float32))
         loss = loss + confidence_weight * metrics["confidence_bce"]
@@ -402,6 +452,9 @@ class DFlashTraining:
     # MASK as a learned embedding per block position, started at the target's embedding of mask_token (False: that
     # embedding everywhere, as z-lab's heads, whose layout has no place for learned ones)
     learned_masks: bool = False
+    # rank of DSpark's Markov head (0: none): a low-rank bias on each position's logits from the token before it,
+    # so a drafted token depends on the one drafted before it (parallel drafting's blind spot)
+    markov: int = 0
     confidence_weight: float = 1.0  # its loss's weight
     RULES: ClassVar = {
         "layers": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "must be layer indices >= 0"),
@@ -418,12 +471,14 @@ class DFlashTraining:
         ),
         "mask_token": (lambda v: v >= 0, "must be a token id >= 0"),
         "confidence_weight": (lambda v: v >= 0, "must be >= 0"),
+        "markov": (lambda v: v >= 0, "must be >= 0 (0 = no Markov head)"),
     }
 
 
 def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
     """The head's shape in heads.json: its context layers, draft layers, block size, mask token, its own attention
-    heads (absent: the target's) and whether it has a confidence head (absent: none)."""
+    heads (absent: the target's), whether it has a confidence head and learned masks, and its Markov head's rank
+    (each absent: none)."""
     layers = list(h.layers) or list(paper_layers(target_cfg.n_layers, h.n_layers))
     if max(layers) >= target_cfg.n_layers or h.mask_token >= target_cfg.vocab_size:
         raise HeadsError(
@@ -445,6 +500,7 @@ def head_shape(h: DFlashTraining, target_cfg: LlamaConfig, tokens) -> dict:
         shape
         | ({"confidence": True} if h.confidence else {})
         | ({"learned_masks": True} if h.learned_masks else {})
+        | ({"markov": h.markov} if h.markov else {})
     )
 
 
@@ -455,7 +511,12 @@ def init_head(shape: dict, cfg: LlamaConfig, target_params, seed: int):
         mask = np.asarray(target_io(cfg, target_params)["embed"][shape["mask_token"]])
         masks = np.repeat(mask[None], shape["block_size"] - 1, 0)
     return init_dflash(
-        draft_config(cfg, shape), len(shape["layers"]), shape.get("confidence", False), seed, masks
+        draft_config(cfg, shape),
+        len(shape["layers"]),
+        shape.get("confidence", False),
+        seed,
+        masks,
+        shape.get("markov", 0),
     )
 
 
@@ -473,10 +534,12 @@ def drafter_params(shape, params, cfg, target_params) -> dict:
 
 
 def tiny_example(target, k, tree, sampler):
-    """(drafter, params) of a fresh two-layer head on verify_exactness's tiny target."""
+    """(drafter, params) of a fresh two-layer head on verify_exactness's tiny target, with a Markov head whose bias
+    is moved off zero (each draft token then depends on the one before it)."""
     cfg = target.cfg
-    shape = head_shape(DFlashTraining(n_layers=2), cfg, None)
-    graphdef, params = init_dflash(draft_config(cfg, shape), len(shape["layers"]), seed=1)
+    shape = head_shape(DFlashTraining(n_layers=2, markov=4), cfg, None)
+    graphdef, params = init_head(shape, cfg, target.params, 1)
+    params["markov"]["out"] = 20 * jax.random.normal(jax.random.key(2), params["markov"]["out"].shape)
     return make_drafter(shape, graphdef, cfg, k, sampler, tree), drafter_params(
         shape, params, cfg, target.params
     )
@@ -528,9 +591,13 @@ def expand_heads(shape: dict, p: dict, ex, expansion, cfg: LlamaConfig) -> tuple
     }
     if "masks" in p:  # embeddings, padded as the target's are
         new["masks"] = ex.pad(np.asarray(p["masks"]), (p["masks"].shape[0], d2))
-    if "confidence" in p:  # reads the final features: zero columns for their extra (zero) dims
-        w = p["confidence"]["weight"]
-        new["confidence"] = {"weight": ex.pad(w, (w.shape[0], d2)), "bias": p["confidence"]["bias"]}
+    if "markov" in p:  # from token to logits: the vocabulary does not grow
+        new["markov"] = p["markov"]
+    if "confidence" in p:
+        # reads the final features (zero columns for their extra dims), then any Markov embedding
+        w = np.asarray(p["confidence"]["weight"])
+        wide = np.concatenate([ex.pad(w[:, :d], (w.shape[0], d2)), w[:, d:]], 1)
+        new["confidence"] = {"weight": wide, "bias": p["confidence"]["bias"]}
     return new, {**shape, "layers": [where[i] for i in shape["layers"]]}
 
 

@@ -239,6 +239,12 @@ def published_files(meta: dict, p, cfg: LlamaConfig, base_model: str | None = No
             "embedding of mask_token_id, and cannot hold them: export it as specjax heads (python -m specjax.heads "
             "export WORKDIR DEST) or train a head with heads.learned_masks=False"
         )
+    if shape.get("markov"):
+        raise HeadsError(
+            "this DFlash head has a Markov head (a bias from the previous drafted token), which z-lab's layout cannot "
+            "hold: export it as specjax heads (python -m specjax.heads export WORKDIR DEST) or train a head with "
+            "heads.markov=0"
+        )
     if max(shape["layers"]) >= cfg.n_layers - 1:
         raise HeadsError(
             f"this DFlash head taps target layers {shape['layers']}, among them the last ({cfg.n_layers - 1}), "

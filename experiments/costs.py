@@ -105,8 +105,8 @@ def head_step(drafter, dim: int):
 
 
 def dflash_step(drafter):
-    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each) and
-    its Markov head's bias at every position (if it has one)."""
+    """One DFlash round's draft: a round's committed features into its cache, then the block (t tokens each) with
+    its Markov head's bias (if it has one) at positions 1 .. t - 1 after the tokens before them."""
     from flax import nnx
 
     from specjax.drafters.dflash import dflash_block, dflash_extend
@@ -115,7 +115,8 @@ def dflash_step(drafter):
         taps = jnp.zeros((*tokens.shape, drafter.taps_width), jnp.float32) + tokens[..., None]
         cache = dflash_extend(drafter.graphdef, params, taps, positions, cache)
         logits = dflash_block(drafter.graphdef, params, tokens, positions, cache)[0]
-        return logits + nnx.merge(drafter.graphdef, params["head"]).bias(tokens), cache
+        bias = nnx.merge(drafter.graphdef, params["head"]).bias(tokens[:, :-1])
+        return logits.at[:, 1:].add(bias), cache
 
     return step
 

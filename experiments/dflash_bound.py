@@ -125,18 +125,20 @@ def head_distributions(target, heads_dir, ctx: list, k: int):
         k,
         meta["shape"]["mask_token"],
     )
+    # float64: a tilted draft's log q is then exact where float32 probabilities would underflow
+    q = np.exp(np.asarray(jax.nn.log_softmax(logits, -1), np.float64))
     tilt = None
     if "markov" in params:
         inp, out = (np.asarray(params["markov"][n], np.float32) for n in ("inp", "out"))
         tilt = lambda previous: inp[previous] @ out
-    return np.asarray(jax.nn.softmax(logits, -1)), tilt
+    return q, tilt
 
 
 def _tilted(q_xV, tilt, previous_x):
     """q tilted by the Markov bias after `previous_x` (q itself without a tilt)."""
     if tilt is None:
         return q_xV
-    logits = np.log(np.maximum(q_xV, 1e-30)) + tilt(previous_x)
+    logits = np.log(np.maximum(q_xV, 1e-300)) + tilt(previous_x)
     e = np.exp(logits - logits.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
 

@@ -208,6 +208,33 @@ def test_loss_reaches_every_head_parameter(training_case):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["head"]))
 
 
+def test_the_loss_tilts_position_i_by_the_datas_token_before_it():
+    """A Markov head that puts +50 on each token's successor in the data makes the cross-entropy against the data
+    vanish: position i is tilted after the data's token a + i - 1 (the anchor at i = 1); towards the successor's
+    successor (off by one) it costs about 50."""
+    from specjax.drafters.dflash import dflash_loss
+
+    graphdef, params = TARGET
+    v = TINY.vocab_size
+    order = np.random.default_rng(6).permutation(np.arange(3, v))[:28]
+    tokens = jnp.asarray(order.reshape(2, 14), jnp.int32)
+    feats = target_features(TINY, graphdef, params, tokens, LAYERS)
+    mask = jnp.ones(tokens.shape, jnp.int32)
+    meta, hgraph, hparams = dflash(TINY, params, markov=v)
+
+    def loss(steps):
+        out = np.zeros((v, v), np.float32)
+        for row in order.reshape(2, 14):
+            out[row[:-steps], row[steps:]] = 50.0
+        hp = hparams | {"markov": {"inp": jnp.eye(v), "out": jnp.asarray(out)}}
+        dparams = heads.drafter_params(meta, hp, TINY, params)
+        args = (jax.random.key(0), 3, 4, 4.0, "cross_entropy", 0, 1.0)
+        return float(dflash_loss(hgraph, TINY.dim, dparams, feats, tokens, mask, *args)[0])
+
+    assert loss(1) < 1e-3
+    assert loss(2) > 10.0
+
+
 def test_learned_masks_are_the_block_inputs(training_case):
     """A head's learned MASK embeddings are its block's inputs after the anchor: at their start (the target's
     embedding of mask_token) it drafts what the same head without them drafts; moved, it drafts otherwise."""
@@ -280,8 +307,11 @@ class VaryingChoice(DFlash):
 def confident(cfg, params, seed=3):
     """make(k, sampler, tree) -> (VaryingChoice drafter, params) of a fresh head with a confidence head."""
     shape = {"layers": list(LAYERS), "n_layers": 1, "block_size": 4, "mask_token": 0, "confidence": True}
-    meta = heads.describe("dflash", shape, cfg)
+    meta = heads.describe(
+        "dflash", shape | {"markov": 4}, cfg
+    )  # the confidence head reads the Markov embedding
     graphdef, hparams = heads.new_heads(meta, cfg, params, seed)
+    hparams["markov"]["out"] = 5 * jax.random.normal(jax.random.key(seed), hparams["markov"]["out"].shape)
 
     def make(k, sampler, tree=None):
         d = heads.make_drafter(meta, graphdef, cfg, k, sampler, tree)

@@ -6,7 +6,8 @@ norms, as the reference's) over the target's frozen embedding of the block [anch
 being the pending token and MASK a token of the target's vocabulary (z-lab's `mask_token_id`). In every layer
 the queries are the block's; keys and values are [the context features' ; the block's], so the block sees every
 committed position and itself (bidirectionally); RoPE positions continue the sequence. Block position i >= 1
-gives the distribution of draft token i through the target's frozen LM head: B - 1 distributions from one pass.
+gives the distribution of draft token i through the target's frozen LM head: B - 1 distributions from one pass,
+each tilted, where the head has a Markov head (DSpark's), by a low-rank bias from draft token i - 1.
 
 The context's keys and values do not depend on the block, so they live in the draft's own static cache: each
 round writes the features the verification pass computed at the tokens it committed (one pass over D + 1
@@ -248,7 +249,8 @@ class DFlashState:
 @dataclasses.dataclass(frozen=True)
 class DFlash(KOrTree):
     """Drafter: a block of k + 1 tokens (the pending one and k masks) drafted in one pass; chains sampled from the
-    per-position distributions, static trees from their top-k, or dynamic trees (EAGLE-2's search over them)."""
+    per-position distributions, static trees from their top-k, or dynamic trees (EAGLE-2's search over them), each
+    position tilted by a Markov head's bias from its parent's token where the head has one."""
 
     draft_cfg: LlamaConfig
     graphdef: object

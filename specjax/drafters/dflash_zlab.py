@@ -17,7 +17,8 @@ streams, do not hold): heads tapping the target's last layer are refused both wa
 What the reference can do and specjax's head cannot represent is refused with the key and the fix: an input
 embedding scale, an output multiplier, logit soft-capping, causal or sliding-window draft layers, and the DFlash2
 variant (dynamic convolutions, candidate selector). A confidence head (DSpark's, specjax's own addition) is not
-exported: it reads the draft detached, so the exported head drafts the same distributions.
+exported: it reads the draft detached, so the exported head drafts the same distributions. A Markov head (DSpark's),
+which changes the drafts, has no place in the layout: such a head's export is refused.
 
 This module does not import `specjax.drafters.dflash` (which registers these functions): fresh heads come from the
 registry (`specjax.heads.describe` / `new_heads`). The draft's attention heads (`num_attention_heads`,

@@ -1,5 +1,6 @@
-"""Draft search shared by every autoregressive drafter (draft model, EAGLE): chains, static trees and
-EAGLE-2-style dynamic trees, written once against a `step` function.
+"""Draft search shared by every drafter that drafts position by position (draft model, EAGLE; DFlash, whose
+positions come from one block pass and, with a Markov head, depend on their parent's token): chains, static trees
+and EAGLE-2-style dynamic trees, written once against a `step` function.
 
 `step(cache, tokens_BT, positions_BT, mask_BTW, ctx) -> (logits_BTV, ctx_out, cache)` runs the drafter
 on T new tokens (written after the cache's committed region, see `specjax.models.llama.forward`).

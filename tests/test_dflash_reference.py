@@ -227,8 +227,11 @@ def test_reference_generates_the_same_rounds(stories, reference, tmp_path, monke
             theirs.append((emitted, produced - 1))
         emitted += produced
     assert ours == theirs and len(ours) >= (N_NEW - block) // block
-    if (HEADS / "stories260K_dflash").exists():  # a trained head's drafts are accepted
-        assert sum(n for _, n in ours) >= len(ours)
+    if (
+        HEADS / "stories260K_dflash"
+    ).exists():  # not vacuous: rounds that accepted one draft token and several
+        accepted = {min(n, 2) for _, n in ours}
+        assert {1, 2} <= accepted, ours
 
 
 def test_export_then_load_is_the_identity(stories, exported):

@@ -30,6 +30,7 @@ from specjax.decoding import (
     SpecStats,
     compile_decode,
     generate,
+    speculative,
     speculative_generate,
 )
 from specjax.decoding.jobs import prepare_speculative
@@ -360,6 +361,30 @@ def test_a_round_may_draft_fewer_tokens_than_the_round_before_accepted():
         adaptive.zeros(left, adaptive.measured()), 8, jnp.array([5, 8]), jnp.array([True, True]), left
     )
     assert int(adaptive.choose(estimate)) == 0
+
+
+def test_round_costs_are_timed_again_with_more_rounds_where_noise_hid_them(monkeypatch):
+    """On a clock where a call without rounds costs more than `rounds` rounds more (noise), `measure` times more
+    rounds per call rather than keep a cost <= 0; where no number of rounds shows a cost, it says so."""
+    clock = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+
+    def run(per_round):  # a call: 1 s, 1.5 s without rounds, then its rounds
+        def call(measured):
+            rounds = int(measured.rounds)
+            clock[0] += (1.5 if rounds == 0 else 1.0) + rounds * per_round[int(measured.forced)]
+
+        return call
+
+    adaptive = AdaptiveK((1, 2), prior=0.5)
+    measured = speculative.measure(adaptive, run((0.01, 0.02)), rounds=8, repeats=3)
+    assert measured.costs == pytest.approx(
+        (0.01 - 0.5 / 128, 0.02 - 0.5 / 128)
+    )  # K = 1's cost shows at 128 rounds
+    with pytest.raises(
+        ValueError, match=r"round costs were lost in this machine's timing noise \(128 rounds"
+    ):
+        speculative.measure(adaptive, run((0.0, 0.0)), rounds=8, repeats=3)
 
 
 # --- errors -----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.drafting.layouts import ChainLayout, Draft, Verification
 from specjax.drafting.protocol import feature_taps, propose
+from specjax.errors import DrafterError
 from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import features, forward
@@ -391,11 +392,19 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
         # each K's rounds, then (with K = 0 in the set) plain rounds
         plain = adaptive.ks[0] == 0 and adaptive.plain_cost is None
         runs = [(i, False) for i in range(len(adaptive.ks))] + [(0, True)] * plain
-        per_round = [[] for _ in runs]
-        for _ in range(repeats):  # each in turn: a drifting machine speed reaches all alike
-            for (i, as_plain), t in zip(runs, per_round):
-                t.append((seconds(i, rounds, as_plain) - seconds(i, 0, as_plain)) / rounds)
-        costs = [max(float(np.median(t)), 1e-9) for t in per_round]
+        for n in (rounds, 4 * rounds, 16 * rounds):  # more rounds where the machine's noise hid their cost
+            per_round = [[] for _ in runs]
+            for _ in range(repeats):  # each in turn: a drifting machine speed reaches all alike
+                for (i, as_plain), t in zip(runs, per_round):
+                    t.append((seconds(i, n, as_plain) - seconds(i, 0, as_plain)) / n)
+            costs = [float(np.median(t)) for t in per_round]
+            if min(costs) > 0:
+                break
+        else:
+            raise DrafterError(
+                f"adaptive K's round costs were lost in this machine's timing noise ({16 * rounds} rounds per call): "
+                "fix K (--k) or give the costs (--adaptive_costs)"
+            )
         adaptive = dataclasses.replace(adaptive, costs=tuple(costs[: len(adaptive.ks)]))
         if plain:
             adaptive = dataclasses.replace(adaptive, plain_cost=costs[-1])

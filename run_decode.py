@@ -84,6 +84,12 @@ flags.DEFINE_string(
     "acceptance so far and round costs timed before the loop (replaces --k). Default, with neither --k nor --tree: "
     "0,1,2,4 where the drafter can change its K.",
 )
+flags.DEFINE_float(
+    "draft_temperature",
+    1.0,
+    "The drafter samples at --temperature times this (< 1: sharper drafts, often accepted more often); exact for any "
+    "value > 0.",
+)
 flags.DEFINE_bool("compare_ar", False, "Also decode without speculation and print the speedup.")
 flags.DEFINE_string(
     "mesh",
@@ -92,7 +98,13 @@ flags.DEFINE_string(
     "(see specjax/sharding.py). Empty: one device.",
 )
 cli.define_process_flags()
-SPECULATIVE_FLAGS = {"k", "tree", "acceptance", "adaptive_k"}  # meaningful only with a drafter
+SPECULATIVE_FLAGS = {
+    "k",
+    "tree",
+    "acceptance",
+    "adaptive_k",
+    "draft_temperature",
+}  # meaningful only with a drafter
 DEFAULT_K = 4  # a chain's K where neither --k nor a policy sets it
 # with neither --k nor --tree nor --adaptive_k: each round's K among these (0: a plain AR round), where the drafter
 # can change its K
@@ -171,6 +183,10 @@ def drafter_plan():
     k = tree.depth if tree else adaptive.k_max if adaptive else DEFAULT_K if FLAGS.k is None else FLAGS.k
     if k < 1:
         raise cli.UsageError(f"--k={k} drafts nothing; pass --k=1 or more (draft tokens per round)")
+    if not FLAGS.draft_temperature > 0:
+        raise cli.UsageError(
+            f"--draft_temperature={FLAGS.draft_temperature} must be > 0 (1: the target's temperature); pass one"
+        )
     settings = entry.settings(**{name: FLAGS[name].value for name in own})
     fixed = tree is not None or FLAGS.k is not None
     return entry, settings, k, tree, adaptive or (None if fixed else DEFAULT_POLICY)
@@ -181,7 +197,7 @@ def make_drafter(target, sampler, plan):
     if plan is None:
         return None, None
     entry, settings, k, tree, _ = plan
-    return entry.build(target, settings, k, tree, sampler)
+    return entry.build(target, settings, k, tree, sampler.drafting(FLAGS.draft_temperature))
 
 
 def check_pair(plan, cfg, tokenizer) -> None:

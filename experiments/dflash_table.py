@@ -2,7 +2,8 @@
 
 - dflash_categories: tau and acceptance by prompt category at T=0 and T=1 on stories260K for DFlash (B = 4, 8, 16,
   its dynamic tree, and the one-layer head where committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48),
-  parallel EAGLE-3 (where committed) and the distilled draft; the heads' training cost in the notes.
+  parallel EAGLE-3 (where committed) and the distilled draft, and at T=1 DFlash B = 8 and EAGLE-3 K = 7 drafting at
+  a sharper temperature; the heads' training cost in the notes.
 - dflash_memory_bound_*: the same drafters on the memory-bound expansion of stories260K (`bench_memory_bound`):
   tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1.
 """
@@ -66,6 +67,24 @@ def methods(quick: bool) -> list[harness.Row]:
     return rows
 
 
+DRAFT_TEMPERATURE = 0.8  # the sharpened rows' draft temperature, a multiple of the target's
+
+
+def sharpened(quick: bool) -> list[harness.Row]:
+    """DFlash B = 8 and EAGLE-3 K = 7 drafting at DRAFT_TEMPERATURE x T (rows of T > 0: greedy drafts are the same)."""
+    if quick:
+        return []
+    return [
+        harness.Row(
+            row.method,
+            f"{row.setting}, draft T x {DRAFT_TEMPERATURE:g}",
+            lambda target, sampler, row=row: row.build(target, sampler.drafting(DRAFT_TEMPERATURE)),
+            row.k,
+        )
+        for row in methods(True)
+    ]
+
+
 def passes(drafter) -> int:
     """Draft passes a round makes: one for a block or a parallel head, else one per depth."""
     return (
@@ -79,8 +98,9 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
     from specjax.decoding import speculative_generate
 
     rows = []
-    for row in methods(quick):
-        for t in (0.0,) if quick else (0.0, 1.0):
+    temperatures = [(row, (0.0,) if quick else (0.0, 1.0)) for row in methods(quick)]
+    for row, ts in temperatures + [(row, (1.0,)) for row in sharpened(quick)]:
+        for t in ts:
             sampler = Sampler(t)
             drafter, dparams = row.build(target, sampler)
             for category, (prompts, n) in categories.items():

@@ -33,6 +33,15 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def drafting(self, draft_temperature: float = 1.0) -> Sampler:
+        """The sampler a drafter draws with: this temperature times `draft_temperature` (< 1 sharpens the drafts;
+        greedy stays greedy), the same warpers. Exact for any value: acceptance reads the q a draft was drawn from."""
+        if not draft_temperature > 0:
+            raise SamplingError(
+                f"draft temperature must be > 0 (1: the target's own), got {draft_temperature}; pass a positive one"
+            )
+        return dataclasses.replace(self, temperature=self.temperature * draft_temperature)
+
     def warp(self, logits: jax.Array) -> jax.Array:
         """Warped float32 logits [..., V]; excluded tokens get -inf. Greedy keeps only the argmax."""
         logits = logits.astype(jnp.float32)

@@ -367,9 +367,11 @@ def verify(
     greedy: bool = True,
     seed: int = 0,
     settings: dict | None = None,
+    draft_temperature: float = 1.0,
 ) -> Report:
-    """Checks `drafter` (a registered name) with each acceptance rule in `rules` (names or rule objects); see
-    the module docstring. `samples` per rule and per control (0: 10000 for `exact`, 20000 for `ar`)."""
+    """Checks `drafter` (a registered name) with each acceptance rule in `rules` (names or rule objects), drafting
+    at `sampler`'s temperature times `draft_temperature`; see the module docstring. `samples` per rule and per
+    control (0: 10000 for `exact`, 20000 for `ar`)."""
     if sampler.greedy:
         raise UsageError(
             "the distribution check needs a sampling temperature > 0; greedy is checked with it"
@@ -390,7 +392,8 @@ def verify(
         raise UsageError(f"--method must be auto, exact or ar, got {method!r}")
     n = samples or (10_000 if method == "exact" else 20_000)
     groups = tuple(x for r in rules for x in (r, ResampleFromTarget(r)))
-    draft, dparams = build_drafter(drafter, target, k, shape, sampler, tiny, settings)
+    draft_sampler = sampler.drafting(draft_temperature)
+    draft, dparams = build_drafter(drafter, target, k, shape, draft_sampler, tiny, settings)
     spec = GenerateSpec(tokens, sampler, eos_id=None, acceptance=RowGroups(groups))
     out, gens = in_batches(
         lambda rows, s: speculative_generate(
@@ -514,6 +517,9 @@ def main(argv=None) -> int:
     flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).", flag_values=f)
     flags.DEFINE_integer("top_k", 0, "Top-k warper (0 = off).", flag_values=f)
     flags.DEFINE_float("top_p", 1.0, "Top-p warper (1 = off).", flag_values=f)
+    flags.DEFINE_float(
+        "draft_temperature", 1.0, "The drafter samples at --temperature times this (> 0).", flag_values=f
+    )
     flags.DEFINE_integer(
         "samples", 0, "Samples per rule and per control (0: 10000 exact, 20000 ar).", flag_values=f
     )
@@ -547,6 +553,7 @@ def main(argv=None) -> int:
         ("k", f.k >= 1, ">= 1"),
         ("tokens", f.tokens >= 2, ">= 2 (the first comes from the prefill)"),
         ("alpha", 0 < f.alpha < 1, "in (0, 1), e.g. 1e-3"),
+        ("draft_temperature", f.draft_temperature > 0, "> 0 (1: the target's temperature)"),
     ):
         if not ok:
             raise cli.UsageError(f"--{name}={f[name].value} must be {rule}; pass a valid --{name}")
@@ -572,6 +579,7 @@ def main(argv=None) -> int:
         greedy=f.greedy,
         seed=f.seed,
         settings=settings,
+        draft_temperature=f.draft_temperature,
     )
     print(report.format())
     return 0 if report.passed else 1

@@ -138,6 +138,12 @@ CASES = [
     ),
     case("decode-zero-k", "run_decode", ["--drafter=ngram", "--k=0"], "--k=0 drafts nothing"),
     case(
+        "decode-zero-draft-temperature",
+        "run_decode",
+        ["--drafter=draft_model", "--draft_temperature=0"],
+        "--draft_temperature=0.0 must be > 0",
+    ),
+    case(
         "decode-bad-tree",
         "run_decode",
         ["--drafter=draft_model", "--tree=bogus"],

@@ -101,6 +101,27 @@ def test_speculative_sampling_with_top_k_and_top_p_is_exact():
     assert 0.2 < report.draft_efficiency < 0.95, report.format()  # the test exercises rejections
 
 
+# A drafter sampling at another temperature than the target's (sharper or flatter drafts): still exact, since the rules
+# read the q each draft was drawn from; a draft temperature of 1 is the target's sampler itself
+@pytest.mark.parametrize("draft_temperature", [0.5, 2.0])
+def test_sampling_at_another_draft_temperature_is_exact(draft_temperature):
+    sampler = Sampler(0.9, top_k=5)
+    assert sampler.drafting(draft_temperature) == Sampler(0.9 * draft_temperature, top_k=5)
+    assert sampler.drafting(1.0) == sampler and Sampler().drafting(draft_temperature).greedy
+    with pytest.raises(
+        ValueError, match=r"draft temperature must be > 0 \(1: the target's own\), got 0.0; pass"
+    ):
+        sampler.drafting(0.0)
+    report = verify_exactness.verify(
+        "draft_model",
+        ("tokenwise", "block"),
+        sampler=sampler,
+        draft_temperature=draft_temperature,
+        greedy=False,
+    )
+    assert report.passed, report.format()
+
+
 # --- errors -------------------------------------------------------------------------------------------
 
 

@@ -98,13 +98,8 @@ flags.DEFINE_string(
     "(see specjax/sharding.py). Empty: one device.",
 )
 cli.define_process_flags()
-SPECULATIVE_FLAGS = {
-    "k",
-    "tree",
-    "acceptance",
-    "adaptive_k",
-    "draft_temperature",
-}  # meaningful only with a drafter
+# meaningful only with a drafter
+SPECULATIVE_FLAGS = {"k", "tree", "acceptance", "adaptive_k", "draft_temperature"}
 DEFAULT_K = 4  # a chain's K where neither --k nor a policy sets it
 # with neither --k nor --tree nor --adaptive_k: each round's K among these (0: a plain AR round), where the drafter
 # can change its K

@@ -104,8 +104,10 @@ def test_speculative_sampling_with_top_k_and_top_p_is_exact():
 # A drafter sampling at another temperature than the target's (sharper or flatter drafts): still exact, since the rules
 # read the q each draft was drawn from; a draft temperature of 1 is the target's sampler itself
 @pytest.mark.parametrize("draft_temperature", [0.5, 2.0])
-def test_sampling_at_another_draft_temperature_is_exact(draft_temperature):
-    sampler = Sampler(0.9, top_k=5)
+def test_sampling_at_another_draft_temperature_is_exact(draft_temperature, monkeypatch):
+    sampler, built = Sampler(0.9, top_k=5), []
+    build = verify_exactness.build_drafter
+    monkeypatch.setattr(verify_exactness, "build_drafter", lambda *a: built.append(a[4]) or build(*a))
     assert sampler.drafting(draft_temperature) == Sampler(0.9 * draft_temperature, top_k=5)
     assert sampler.drafting(1.0) == sampler and Sampler().drafting(draft_temperature).greedy
     with pytest.raises(
@@ -120,6 +122,7 @@ def test_sampling_at_another_draft_temperature_is_exact(draft_temperature):
         greedy=False,
     )
     assert report.passed, report.format()
+    assert built == [Sampler(0.9 * draft_temperature, top_k=5)]  # the drafter drew at the draft temperature
 
 
 # --- errors -------------------------------------------------------------------------------------------

@@ -365,7 +365,8 @@ def test_a_round_may_draft_fewer_tokens_than_the_round_before_accepted():
 
 def test_round_costs_are_timed_again_with_more_rounds_where_noise_hid_them(monkeypatch):
     """On a clock where a call without rounds costs more than `rounds` rounds more (noise), `measure` times more
-    rounds per call rather than keep a cost <= 0; where no number of rounds shows a cost, it says so."""
+    rounds per call rather than keep a cost <= 0; a cost no number of rounds shows takes the least one measured, and
+    every K costs alike where none showed."""
     clock = [0.0]
     monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
 
@@ -376,15 +377,13 @@ def test_round_costs_are_timed_again_with_more_rounds_where_noise_hid_them(monke
 
         return call
 
-    adaptive = AdaptiveK((1, 2), prior=0.5)
-    measured = speculative.measure(adaptive, run((0.01, 0.02)), rounds=8, repeats=3)
-    assert measured.costs == pytest.approx(
-        (0.01 - 0.5 / 128, 0.02 - 0.5 / 128)
-    )  # K = 1's cost shows at 128 rounds
-    with pytest.raises(
-        ValueError, match=r"round costs were lost in this machine's timing noise \(128 rounds"
-    ):
-        speculative.measure(adaptive, run((0.0, 0.0)), rounds=8, repeats=3)
+    adaptive = AdaptiveK((1, 2, 4), prior=0.5)
+    measured = speculative.measure(adaptive, run((0.01, 0.02, 0.04)), rounds=8, repeats=3)
+    expected = (0.01 - 0.5 / 128, 0.02 - 0.5 / 128, 0.04 - 0.5 / 128)
+    assert measured.costs == pytest.approx(expected)  # K = 1's cost shows at 128 rounds, not 8 or 32
+    measured = speculative.measure(adaptive, run((0.0, 0.02, 0.04)), rounds=8, repeats=3)
+    assert measured.costs == pytest.approx((expected[1], expected[1], expected[2]))
+    assert speculative.measure(adaptive, run((0.0, 0.0, 0.0)), rounds=8, repeats=3).costs == (1.0, 1.0, 1.0)
 
 
 # --- errors -----------------------------------------------------------------------------------------------

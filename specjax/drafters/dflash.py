@@ -86,8 +86,12 @@ class MarkovBias(nnx.Module):
         self.inp = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, rank), dt))
         self.out = nnx.Param(jnp.zeros((rank, vocab), dt))
 
+    def embed(self, previous_x):
+        """The tokens' rank-r embeddings [..., r]."""
+        return jnp.take(self.inp[...], previous_x, axis=0)
+
     def __call__(self, previous_x):
-        return (jnp.take(self.inp[...], previous_x, axis=0) @ self.out[...]).astype(jnp.float32)
+        return (self.embed(previous_x) @ self.out[...]).astype(jnp.float32)
 
 
 class DFlashHead(nnx.Module):
@@ -153,7 +157,7 @@ class DFlashHead(nnx.Module):
         token before it (which only a Markov head reads; its embedding detached: this head's loss leaves the draft
         alone)."""
         if self.markov is not None:
-            embedding = jax.lax.stop_gradient(jnp.take(self.markov.inp[...], previous_x, axis=0))
+            embedding = jax.lax.stop_gradient(self.markov.embed(previous_x))
             x = jnp.concatenate([x, embedding.astype(x.dtype)], -1)
         return self.confidence(x).astype(jnp.float32)
 

@@ -147,9 +147,14 @@ def training_notes() -> str:
         spans = np.diff([0] + steps)
         seconds = float(sum(s * tokens / r["tokens_per_s"] for s, r in zip(spans, logged)))
         rate = np.median([r["tokens_per_s"] for r in logged])
+        data = (
+            f"{c['data.num_samples']} self-distilled documents"
+            if c["data.source"] == "self_distill"
+            else c["data.source"]
+        )
         lines.append(
-            f"- {head}: {steps[-1]} steps x {tokens} tokens, median {rate:.0f} tokens/s, {seconds / 60:.1f} min "
-            "of train steps (from the logged rate; compile and checkpoints aside)"
+            f"- {head}: {steps[-1]} steps x {tokens} tokens from {data}, median {rate:.0f} tokens/s, "
+            f"{seconds / 60:.1f} min of train steps (from the logged rate; compile and checkpoints aside)"
         )
     if not lines:
         return "Training cost: no training run of these heads under checkpoints/ in this checkout (`make heads`)."

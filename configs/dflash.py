@@ -29,7 +29,8 @@ def get_config(name: str = ""):
     c.optimizer.lr = 1e-2
     # 8192 self-distilled documents (4x the other heads' corpus) and 4000 steps, not 2048 and 2000: chain K = 7 tau
     # +6-13% at T = 0 and +8-16% at T = 1 by prompt category; the held-out loss still fell at step 4000. (An EAGLE-3
-    # head trained so gains too, +2-12% / -1-8%; the committed one, which the dflash table compares, is not.)
+    # head trained so gains too, T = 0 +2 to +12%, T = 1 -1 to +8%; the committed one, which the dflash table
+    # compares, is not.)
     c.data.num_samples = 8192
     c.data.cache = "checkpoints/stories260K_corpus8k.npy"
     c.data.heldout = 64

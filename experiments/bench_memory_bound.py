@@ -108,8 +108,9 @@ class Settings:
     name: str = "bench_memory_bound"
     dtype: str = "float32"  # of the target, its expansion and the drafters built from them
     sweeps: bool = True  # the K and batch tables
-    # DFlash's block sizes B (chains of B - 1 drafted in one pass)
+    # DFlash's block sizes B (chains of B - 1 drafted in one pass), and its head's folder under heads/
     dflash_blocks: tuple[int, ...] = (4, 8, 16)
+    dflash_head: str = "stories260K_dflash"
 
 
 SMOKE = Settings(
@@ -148,7 +149,8 @@ def load(settings: Settings):
     loaded = {}
     uses_dflash = any(kind.startswith("dflash") for kind in settings.kinds)
     for method in ("medusa", "eagle", "eagle3") + (("dflash",) if uses_dflash else ()):
-        meta, hgraph, hparams = heads.load_heads(HEADS / f"stories260K_{method}", small.cfg, small.params)
+        folder = settings.dflash_head if method == "dflash" else f"stories260K_{method}"
+        meta, hgraph, hparams = heads.load_heads(HEADS / folder, small.cfg, small.params)
         big = expand.expand_heads(meta, hparams, small.cfg, cfg, params, e)
         loaded[method] = {"small": (meta, hgraph, hparams), "big": big}
     if "quantized" in settings.kinds:

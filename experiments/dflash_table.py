@@ -1,11 +1,13 @@
 """`make tables --sections=dflash`: parallel (block) drafting against sequential drafting.
 
 - dflash_categories: tau and acceptance by prompt category at T=0 and T=1 on stories260K for DFlash (B = 4, 8, 16,
-  its dynamic tree, and the one-layer head where committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48),
+  its dynamic tree, the one-layer head where committed, and at T=0 the head trained for greedy decoding where
+  committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48),
   parallel EAGLE-3 (where committed) and the distilled draft, and at T=1 DFlash B = 8 and EAGLE-3 K = 7 drafting at
   a sharper temperature; the heads' training cost in the notes.
 - dflash_memory_bound_*: the same drafters on the memory-bound expansion of stories260K (`bench_memory_bound`):
-  tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1.
+  tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_memory_bound_*: EAGLE-3 against
+  DFlash with the head trained for greedy decoding (configs/dflash_greedy.py), T = 0.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CHECKPOINTS = Path("checkpoints")
 RUNS = {
     "dflash": "dflash_stories260K",
     "dflash_l1": "dflash_l1_stories260K",
+    "dflash_greedy": "dflash_greedy_stories260K",
     "eagle3": "eagle3_stories260K",
     "eagle3_parallel": "eagle3_parallel_stories260K",
 }
@@ -86,6 +89,22 @@ def sharpened(quick: bool) -> list[harness.Row]:
     ]
 
 
+GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"
+
+
+def greedy_rows(quick: bool) -> list[harness.Row]:
+    """DFlash B = 8, 16 and the dynamic tree with the head trained for greedy decoding (configs/dflash_greedy.py),
+    where this checkout has it: rows of T = 0 only."""
+    if quick or not GREEDY_HEAD.exists():
+        return []
+    reg, head = harness.registered, {"heads": str(GREEDY_HEAD)}
+    return [
+        reg("dflash", "B=8, L=2, greedy head", "dflash", 7, confidence=False, **head),
+        reg("dflash", "B=16, L=2, greedy head", "dflash", 15, confidence=False, **head),
+        reg("dflash", "B=7, L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
+    ]
+
+
 def passes(drafter) -> int:
     """Draft passes a round makes: one for a block or a parallel head, else one per depth."""
     return (
@@ -100,7 +119,10 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
 
     rows = []
     temperatures = [(row, (0.0,) if quick else (0.0, 1.0)) for row in methods(quick)]
-    for row, ts in temperatures + [(row, (1.0,)) for row in sharpened(quick)]:
+    temperatures += [(row, (0.0,)) for row in greedy_rows(quick)] + [
+        (row, (1.0,)) for row in sharpened(quick)
+    ]
+    for row, ts in temperatures:
         for t in ts:
             sampler = Sampler(t)
             drafter, dparams = row.build(target, sampler)
@@ -147,8 +169,13 @@ def training_notes() -> str:
         spans = np.diff([0] + steps)
         seconds = float(sum(s * tokens / r["tokens_per_s"] for s, r in zip(spans, logged)))
         rate = np.median([r["tokens_per_s"] for r in logged])
+        mixed = (
+            f" and as many at T = {c['data.mix_temperature']:g}"
+            if c.get("data.mix_temperature", -1) >= 0
+            else ""
+        )
         data = (
-            f"{c['data.num_samples']} self-distilled documents"
+            f"{c['data.num_samples']} self-distilled documents{mixed}"
             if c["data.source"] == "self_distill"
             else c["data.source"]
         )
@@ -193,4 +220,11 @@ def tables(out: harness.Writer, quick: bool, target, categories: dict, repeats: 
         repeats=repeats,
         name="dflash_memory_bound",
     )
-    bench.run(dataclasses.replace(settings), out.folder)
+    bench.run(settings, out.folder)
+    if GREEDY_HEAD.exists():  # greedy decoding with the head trained for it
+        greedy = dict(temperatures=(0.0,), dflash_blocks=(8, 16), dflash_head=GREEDY_HEAD.name)
+        kinds = ("eagle3 chain", "dflash chain", "dflash dynamic")
+        bench.run(
+            dataclasses.replace(settings, kinds=kinds, name="dflash_greedy_memory_bound", **greedy),
+            out.folder,
+        )

@@ -289,6 +289,58 @@ def test_corpus_generation_says_how_far_it_is(stories, monkeypatch, caplog):
     assert lines[0].endswith(" left") and lines[-1].endswith("about 00:00 left")
 
 
+def test_mixed_self_distillation_interleaves_rows_of_both_temperatures(stories, tmp_path):
+    """data.mix_temperature adds as many documents at a second temperature, their rows alternating with the
+    first's; the provenance names it only where set (caches built before it stay valid), and a text source
+    refuses it."""
+    from specjax.errors import TrainingConfigError
+    from specjax.training.config import validate
+
+    target = (stories.cfg, stories.graphdef, stories.params)
+    config = smoke(base_config("dflash"))
+    config.data.num_samples, config.data.sample_len, config.data.seq_len = 4, 48, 16
+
+    def corpus(**change):
+        c = config.copy_and_resolve_references()
+        c.data.update(change)
+        return data.load_corpus(c, target, stories.tokenizer, "A")
+
+    sampled, greedy = corpus(), corpus(temperature=0.0)
+    mixed = corpus(mix_temperature=0.0)
+    n = min(len(sampled.tokens), len(greedy.tokens))
+    assert n >= 2 and len(mixed.tokens) == len(sampled.tokens) + len(greedy.tokens)
+    np.testing.assert_array_equal(mixed.tokens[: 2 * n : 2], sampled.tokens[:n])
+    np.testing.assert_array_equal(mixed.tokens[1 : 2 * n : 2], greedy.tokens[:n])
+    assert not np.array_equal(sampled.tokens[:n], greedy.tokens[:n])  # control: the two halves differ
+    source = lambda c: data.corpus_provenance(c, "A")["source"]["self_distill"]
+    assert "mix_temperature" not in source(config)
+    config.data.mix_temperature = 0.25
+    assert source(config)["mix_temperature"] == 0.25
+    config.data.source = str(tmp_path / "docs.txt")
+    (tmp_path / "docs.txt").write_text("Once upon a time.\n")
+    with pytest.raises(
+        TrainingConfigError, match="mix_temperature=0.25 mixes only self-distilled documents"
+    ):
+        validate(config)
+
+
+def test_the_greedy_dflash_config_is_dflash_s_with_cold_documents_mixed_in():
+    """configs/dflash_greedy.py trains configs/dflash.py's head on its corpus and as many documents at T = 0.25 (block
+    positions weighted for B = 8)."""
+    import runpy
+
+    from specjax.training.config import flatten
+
+    load = lambda name: flatten(runpy.run_path(str(REPO / "configs" / name))["get_config"]())
+    sampled, greedy = load("dflash.py"), load("dflash_greedy.py")
+    assert {k for k in sampled if sampled[k] != greedy[k]} == {
+        "data.mix_temperature",
+        "data.cache",
+        "heads.decay",
+    }
+    assert (sampled["data.mix_temperature"], greedy["data.mix_temperature"]) == (-1.0, 0.25)
+
+
 def test_progress_line_says_step_of_total_and_time_left(tmp_path):
     """A log line starts with the step out of the run's total and the time left at this run's pace so far: 10 of
     100 steps in 50 s leave about 7.5 minutes."""

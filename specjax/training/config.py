@@ -52,6 +52,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.data.num_samples = 2048  # self-distillation: documents sampled from the target
     c.data.sample_len = 256  # ... of at most this many tokens after BOS (regeneration: per assistant turn)
     c.data.temperature = 1.0  # ... at this temperature (and regeneration's)
+    # self-distillation: as many documents again at this temperature, their rows interleaved with the others' (< 0:
+    # none)
+    c.data.mix_temperature = -1.0
     c.data.chat_template = ""  # conversations: a Jinja chat template file ("" = the target tokenizer's own)
     c.data.regenerate = (
         ""  # conversations: the jsonl the target's rewrite of every assistant turn goes to ("" = none)
@@ -177,6 +180,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(d.num_samples >= 1, "data.num_samples", "must be >= 1")
     need(d.sample_len >= 1, "data.sample_len", "must be >= 1")
     need(d.temperature >= 0, "data.temperature", "must be >= 0 (0 = greedy)")
+    need(
+        d.mix_temperature < 0 or d.source == "self_distill",
+        "data.mix_temperature",
+        "mixes only self-distilled documents, not data.source's (set it to -1)",
+    )
     need(d.seq_len >= 2, "data.seq_len", "must be >= 2 (a head learns from a token and what follows it)")
     need(not (d.cache and Path(d.cache).is_dir()), "data.cache", "is a directory, not a .npy file path")
     need(

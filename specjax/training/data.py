@@ -115,6 +115,14 @@ def pack(docs: list[list[int]], seq_len: int, masks: list | None = None) -> Corp
     return Corpus(flat[: n * seq_len].reshape(n, seq_len), mask[: n * seq_len].reshape(n, seq_len))
 
 
+def interleave(*corpora: Corpus) -> Corpus:
+    """The corpora's rows in turn (one of each while all last, then the longer ones' rest, in order)."""
+    n = min(len(c.tokens) for c in corpora)
+    rows = [np.stack([c[i][:n] for c in corpora], 1).reshape(-1, corpora[0][i].shape[1]) for i in range(2)]
+    rest = [np.concatenate([c[i][n:] for c in corpora]) for i in range(2)]
+    return Corpus(*(np.concatenate([r, x]) for r, x in zip(rows, rest)))
+
+
 def conversation_documents(config, target, tokenizer, target_id: str) -> tuple[list[list[int]], list]:
     """Token ids and loss masks of the conversations in `config.data.source`, rewritten by the target first if
     `config.data.regenerate` names an output file."""
@@ -190,6 +198,7 @@ def corpus_provenance(config, target_id: str) -> dict:
                 "temperature": d.temperature,
                 "seed": config.seed,
             }
+            | ({"mix_temperature": d.mix_temperature} if d.mix_temperature >= 0 else {})
         }
     else:
         path = Path(d.source).absolute()
@@ -275,25 +284,19 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
             f"data.regenerate={d.regenerate!r} rewrites conversations, but data.source={d.source!r} holds none; "
             "give a jsonl of conversations or set data.regenerate=''"
         )
-    masks = None
     if conversations:
         docs, masks = conversation_documents(config, target, tokenizer, target_id)
+        corpus = pack(docs, d.seq_len, masks)
     elif d.source == "self_distill":
-        cfg, graphdef, params = target
-        docs = self_distill(
-            cfg,
-            graphdef,
-            params,
-            tokenizer.bos_id,
-            tokenizer.eos_id,
-            d.num_samples,
-            d.sample_len,
-            d.temperature,
-            config.seed,
+        temperatures = [d.temperature] + [d.mix_temperature] * (d.mix_temperature >= 0)
+        bos, eos = tokenizer.bos_id, tokenizer.eos_id
+        distilled = (
+            self_distill(*target, bos, eos, d.num_samples, d.sample_len, t, config.seed)
+            for t in temperatures
         )
+        corpus = interleave(*(pack(docs, d.seq_len) for docs in distilled))
     else:
-        docs = read_documents(d.source, tokenizer)
-    corpus = pack(docs, d.seq_len, masks)
+        corpus = pack(read_documents(d.source, tokenizer), d.seq_len)
     check_token_range(corpus.tokens, cfg.vocab_size, f"the corpus from {d.source}")
     if cache is not None and write:
         # provenance first, with the hash of the tokens' file: a cache whose write was interrupted never matches

@@ -33,7 +33,7 @@ def get_config(name: str = ""):
     # compares, is not.)
     # For greedy decoding, documents at T = 0.25 instead, or as many again at T = 0.25 (rows interleaved), 4000 steps
     # each: chain K = 7 tau at T = 0 -16 to +19% and -7 to +3% by prompt category; the mixture with decay 4.0 (B = 8's)
-    # is better: +0 to +10% (configs/dflash_greedy.py).
+    # is better: -0.3 to +10% (configs/dflash_greedy.py).
     c.data.num_samples = 8192
     c.data.cache = "checkpoints/stories260K_corpus8k.npy"
     c.data.heldout = 64

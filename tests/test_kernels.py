@@ -15,6 +15,7 @@ import pytest
 from tolerance import assert_close
 
 from specjax import kernels
+from specjax.errors import UsageError
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a kernel for XLA CPU")
 built = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the kernel is not built")
@@ -48,7 +49,7 @@ def test_product_equals_float64(build, rows, n_in, n_out):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.float32)
-    got = jax.jit(kernels.packed_matmul, static_argnums=(2, 3))(x, kernels.pack(w), n_out, build)
+    got = jax.jit(kernels.packed_matmul, static_argnums=(2, 3))(x, kernels.pack(w, build), n_out, build)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert got.shape == (rows, n_out)
     # one sum of n_in products (a wrong row, column or panel is off by the values' size)
@@ -103,3 +104,16 @@ def test_a_stale_build_is_refused(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(kernels, "PROVENANCE", provenance)
     assert not kernels.available.__wrapped__()
+
+
+@built
+def test_panels_are_two_vectors_wide(build):
+    """AVX2's panels are 16 columns (7 rows' accumulators fit its 16 registers); a W packed for another width is
+    refused, naming the fix."""
+    if build == "avx2":
+        assert kernels.PANELS["avx2"] == 16
+    width = kernels.PANELS[build]
+    x = jnp.ones((2, 8), jnp.float32)
+    wrong = jnp.ones((1, 8, 2 * width), jnp.float32)
+    with pytest.raises(UsageError, match=rf"panels of {2 * width} columns.*kernels.pack\(w, '{build}'\)"):
+        kernels.packed_matmul(x, wrong, 2 * width, build)

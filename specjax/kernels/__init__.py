@@ -2,7 +2,8 @@
 
 - `packed_matmul` (`packed_matmul.cc`): XLA CPU's product of 2 to 16 rows re-reads a memory-bound layer's matrix (8
   rows of the expanded stories260K's [512, 4096] products: 1.6-1.8 one-row products, `docs/benchmarks.md`); this
-  streams the matrix once, packed as panels of 32 output columns, and feeds every weight it loads to all rows.
+  streams the matrix once, packed as panels of two vectors' width (32 output columns with AVX-512, 16 with AVX2: the
+  build's `panel`), and feeds every weight it loads to all rows.
 - `decode_attention` (`decode_attention.cc`): XLA reads the whole static KV cache on one thread (a batch of 4 rows'
   attention cost more than 7 one-row attentions); this reads each row's cache once, up to its last visible slot, on
   XLA's threads.
@@ -27,15 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import MissingInputError
+from specjax.errors import MissingInputError, UsageError
 from specjax.results import cpu_name
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.h", "vec.h", "packed_matmul.cc", "decode_attention.cc")
 LIBRARY = HERE / "specjax_cpu.so"
 PROVENANCE = HERE / "specjax_cpu.json"
-PANEL = 32  # output columns per packed panel (packed_matmul's constant)
 HANDLERS = {"packed_matmul": "PackedMatmul", "decode_attention": "DecodeAttention"}
+# output columns per packed panel of each registered build (its `SpecjaxPanel()`)
+PANELS: dict[str, int] = {}
 
 
 def _provenance(compiler: str) -> dict:
@@ -77,6 +79,7 @@ def register(library: Path, name: str) -> None:
     handlers = ctypes.cdll.LoadLibrary(str(library))
     for handler, symbol in HANDLERS.items():
         jax.ffi.register_ffi_target(f"{name}_{handler}", jax.ffi.pycapsule(getattr(handlers, symbol)))
+    PANELS[name] = handlers.SpecjaxPanel()
 
 
 @functools.cache
@@ -95,12 +98,15 @@ def available() -> bool:
     return True
 
 
-def pack(w_OI: jax.Array) -> jax.Array:
-    """W [out, in] as the kernel reads it: [ceil(out / 32), in, 32] panels of 32 output columns (zeros past out)."""
+def pack(w_OI: jax.Array, registered: str = "specjax") -> jax.Array:
+    """W [out, in] as the build `registered` reads it: [ceil(out / N), in, N] panels of its N output columns
+    (zeros past out)."""
+    _require(registered)
     n_out, n_in = w_OI.shape
-    panels = -(-n_out // PANEL)
-    w = jnp.pad(w_OI, ((0, panels * PANEL - n_out), (0, 0)))
-    return w.reshape(panels, PANEL, n_in).transpose(0, 2, 1)
+    width = PANELS[registered]
+    panels = -(-n_out // width)
+    w = jnp.pad(w_OI, ((0, panels * width - n_out), (0, 0)))
+    return w.reshape(panels, width, n_in).transpose(0, 2, 1)
 
 
 def _require(registered: str):
@@ -111,10 +117,15 @@ def _require(registered: str):
 
 
 def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int, registered: str = "specjax") -> jax.Array:
-    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` (XLA CPU, where `available()`; `registered`:
-    the name another build was `register`ed under)."""
+    """`x @ W.T` [R, n_out] float32 for a float32 W packed by `pack` for the same build (XLA CPU, where
+    `available()`; `registered`: the name another build was `register`ed under)."""
     _require(registered)
-    out = jax.ShapeDtypeStruct((x_RI.shape[0], w_PIC.shape[0] * PANEL), jnp.float32)
+    if w_PIC.shape[2] != PANELS[registered]:
+        raise UsageError(
+            f"W is packed in panels of {w_PIC.shape[2]} columns, the {registered} build reads "
+            f"{PANELS[registered]}: pack it with kernels.pack(w, {registered!r})"
+        )
+    out = jax.ShapeDtypeStruct((x_RI.shape[0], w_PIC.shape[0] * w_PIC.shape[2]), jnp.float32)
     y = jax.ffi.ffi_call(f"{registered}_packed_matmul", out, vmap_method="sequential")(x_RI, w_PIC)
     return y[:, :n_out]
 

@@ -1,5 +1,5 @@
-// y[M, P * 32] = x[M, K] @ W, W packed as P panels [K, 32] (32 output columns each, k-major): a matrix product of
-// few rows that streams each weight once, for XLA CPU (specjax/kernels/__init__.py builds and calls it).
+// y[M, P * N] = x[M, K] @ W, W packed as P panels [K, N] (N = kPanel output columns each, k-major): a matrix product
+// of few rows that streams each weight once, for XLA CPU (specjax/kernels/__init__.py builds and calls it).
 //
 // A block of rows and one panel at a time: every weight vector loaded feeds one fused multiply-add per row, into
 // accumulators held in registers (as many rows as the host's vector registers hold: vec.h); the panels are shared
@@ -14,19 +14,26 @@
 
 namespace ffi = xla::ffi;
 
-constexpr int kPanel = 32;                 // output columns per panel
-constexpr int kVecs = kPanel / kLanes;     // vectors per panel row
-constexpr int kMaxRows = (kRegisters - 2) / kVecs;  // rows whose accumulators fit, beside a row's value and a weight
+// Two vectors per panel row (32 columns with AVX-512, 16 with AVX2): rows whose accumulators fit in registers, beside
+// a row's value and a weight, 15 and 7. (With 32 columns an AVX2 host held 3 rows, and 8 rows took 3 passes over each
+// panel: on a Zen 1 EPYC the expanded stories260K's 128 products chained took 25.4 / 34.3 ms at 4 / 8 rows, against
+// 18.8 / 29.7 with 16 columns; docs/benchmarks.md.)
+constexpr int kVecs = 2;
+constexpr int kPanel = kVecs * kLanes;
+constexpr int kMaxRows = (kRegisters - 2) / kVecs;
 
-// rows [0, R) of x times the panel `w` [K, 32]: y columns [0, 32) (R a constant: the accumulators stay in registers;
-// the weights are the multiply-adds' memory operands)
+extern "C" int SpecjaxPanel() { return kPanel; }  // the packed layout's panel width (specjax.kernels.pack)
+
+// rows [0, R) of x times the panel `w` [K, kPanel]: y columns [0, kPanel) (R a constant: the accumulators stay in
+// registers; the weights are the multiply-adds' memory operands)
 template <int R>
 static void rows_by_panel(const float* x, int64_t k_len, const float* w, float* y, int64_t y_stride) {
   vec acc[R][kVecs] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     const float* wk = w + k * kPanel;
-    __builtin_prefetch(wk + 32 * kPanel);  // both cache lines of the row 32 steps ahead: 4 KiB in flight
-    __builtin_prefetch(wk + 32 * kPanel + 16);
+    for (int line = 0; line < kPanel; line += 16) {  // the row's cache lines 4 KiB ahead
+      __builtin_prefetch(wk + 1024 + line);
+    }
     for (int t = 0; t < R; ++t) {
       const float s = x[t * k_len + k];
       for (int v = 0; v < kVecs; ++v) acc[t][v] += s * load(wk + v * kLanes);
@@ -48,8 +55,8 @@ static constexpr auto kRowsByPanel = table(std::make_integer_sequence<int, kMaxR
 static ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                 ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 32 || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("packed_matmul takes x [M, K] and w [P, K, 32]");
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("packed_matmul takes x [M, K] and w [P, K, SpecjaxPanel()]");
   }
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* ys = y->typed_data();

@@ -3,7 +3,7 @@
 - `packed_matmul` (`packed_matmul.cc`): XLA CPU's product of 2 to 16 rows re-reads a memory-bound layer's matrix (8
   rows of the expanded stories260K's [512, 4096] products: 1.6-1.8 one-row products, `docs/benchmarks.md`); this
   streams the matrix once, packed as panels of two vectors' width (32 output columns with AVX-512, 16 with AVX2: the
-  build's `panel`), and feeds every weight it loads to all rows.
+  build's entry in `PANELS`), and feeds every weight it loads to all rows.
 - `decode_attention` (`decode_attention.cc`): XLA reads the whole static KV cache on one thread (a batch of 4 rows'
   attention cost more than 7 one-row attentions); this reads each row's cache once, up to its last visible slot, on
   XLA's threads.

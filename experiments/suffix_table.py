@@ -4,10 +4,11 @@
   samples in a row: tau (tokens per target pass) with the drafter's store kept from request to request (earlier
   outputs in it) and with an empty store each time (the request's own prompt and output only).
 - suffix_repeated: greedy, each prompt 4 times in a row: tau over all requests and over the 4th repetitions.
-Rows: suffix chains K = 8 (most frequent path, sized by the match; drawn from the frequencies with q where
-sampling; verifying all K), a frequency tree of 24 nodes, n-gram prompt lookup K = 8 and EAGLE-3's committed head
-(K = 7), which have no store, and the hybrid of a suffix chain and that head (K = 8, `--drafter=hybrid`). The
-store's size and the lookup's cost are in the notes.
+Rows: suffix chains K = 8 (most frequent path, sized by the match; where sampling, drawn with q from the
+continuations' frequencies, or from the mean of the target's next-token distributions the store recorded with each
+continuation token (its 8 most likely tokens); verifying all K), a frequency tree of 24 nodes, n-gram prompt
+lookup K = 8 and EAGLE-3's committed head (K = 7), which have no store, and the hybrid of a suffix chain and that
+head (K = 8, `--drafter=hybrid`). The store's size and the lookup's cost are in the notes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from specjax.sampling import Sampler
 PROMPTS = ("Once upon a time", "Tom had a red ball", "Lily went to the park", "One day, a little bird")
 STORE_TOKENS = 65_536
 K = 8
+DISTRIBUTIONS = (
+    8  # the target's most likely next tokens the store records per token, for q from distributions
+)
 
 
 def drafters(quick: bool) -> list[tuple]:
@@ -41,9 +45,14 @@ def drafters(quick: bool) -> list[tuple]:
     if quick:
         return rows
     whole = dataclasses.replace(chain, spec_factor=float(K), min_prob=0.0)
+    recorded = lambda s: dataclasses.replace(s, frequencies=True, distributions=DISTRIBUTIONS)
     return rows[:1] + [
         ("suffix chain, q from frequencies", "suffix", dataclasses.replace(chain, frequencies=True), K, "sampling"),
+        ("suffix chain, q from distributions", "suffix", recorded(chain), K, "sampling"),
         ("suffix chain, verifies K", "suffix", whole, K, "always"),
+        ("suffix chain, verifies K, q from frequencies", "suffix", dataclasses.replace(whole, frequencies=True), K,
+         "sampling"),
+        ("suffix chain, verifies K, q from distributions", "suffix", recorded(whole), K, "sampling"),
         ("suffix tree, 24 nodes", "suffix", dataclasses.replace(chain, nodes=24), K, "always"),
         rows[1],
         ("EAGLE-3 chain K=7 (committed head)", "eagle3", registry.get("eagle3").settings(), 7, "always"),

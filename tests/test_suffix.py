@@ -23,9 +23,10 @@ def lookup(store, row, k=3, max_match=4, occurrences=4):
 
 def test_longest_match_its_most_recent_continuations_and_their_frequencies():
     store = [1, 2, 3, 4, -1, 1, 2, 3, 5, -1, 7, 2, 3, 4, 6, -1]
-    (n, cont, read), last = lookup(store, [9, 1, 2, 3])
+    (n, cont, read, ends), last = lookup(store, [9, 1, 2, 3])
     assert int(n[0]) == 3  # "1 2 3" twice; "2 3" three times, but shorter
     assert read[0].tolist() == [True, True, False, False]
+    assert ends[0, :2].tolist() == [7, 2]  # where the two matches end in the text, the latest first
     assert cont[0, :2].tolist() == [
         [5, -1, -1],
         [4, -1, -1],
@@ -37,7 +38,7 @@ def test_longest_match_its_most_recent_continuations_and_their_frequencies():
         3,
     ]  # a tie: the more recent; then nothing follows: the pending token
     assert np.allclose(probs[0], [0.5, 0, 0])
-    (n, cont, read), last = lookup([5, 6, -1, 5, 7, -1, 5, 6, -1], [2, 5], k=1)
+    (n, cont, read, _), last = lookup([5, 6, -1, 5, 7, -1, 5, 6, -1], [2, 5], k=1)
     tokens, probs, _ = suffix.frequent_path(cont, read, last, 1)
     assert int(n[0]) == 1 and tokens[0, 0] == 6 and np.isclose(probs[0, 0], 2 / 3)  # the most frequent
 
@@ -46,7 +47,7 @@ def test_the_row_and_the_other_rows_are_searched_up_to_their_lengths():
     seq = jnp.asarray([[4, 5, 6, 4, 5, 0, 0], [8, 4, 5, 9, 9, 9, 9]], jnp.int32)
     text, pending = suffix.searched_text(jnp.full((2,), -1, jnp.int32), seq, jnp.asarray([5, 3]))
     assert text.tolist() == [[-1, -1, 4, 5, 6, 4, 5, -1, -1, -1, 8, 4, 5, -1, -1, -1, -1, -1]]
-    n, cont, read = suffix.occurrences_of_suffix(text, pending, 1, 4, 2, 2)
+    n, cont, read, _ = suffix.occurrences_of_suffix(text, pending, 1, 4, 2, 2)
     # row 0 ("... 4 5"): its own earlier "4 5" (then 6, 4); row 1's "4 5" ends at its pending token: nothing follows
     assert n.tolist() == [2, 2] and cont[0, 0].tolist() == [6, 4] and not read[0, 1]
     assert cont[1, 0].tolist() == [6, 4]  # row 1 finds row 0's text
@@ -56,7 +57,7 @@ def test_the_row_and_the_other_rows_are_searched_up_to_their_lengths():
     lengths = jnp.asarray([5] + [3] * (suffix.SHARED_ROWS + 1))
     text, pending = suffix.searched_text(jnp.full((2,), -1, jnp.int32), many, lengths)
     assert text.shape == (len(many), 2 + 8) and text[1].tolist() == [-1, -1, 8, 4, 5, -1, -1, -1, -1, -1]
-    n, cont, read = suffix.occurrences_of_suffix(text, pending, 1, 4, 2, 2)
+    n, cont, read, _ = suffix.occurrences_of_suffix(text, pending, 1, 4, 2, 2)
     assert cont[0, 0].tolist() == [6, 4] and not read[1:].any()
 
 
@@ -122,7 +123,7 @@ def test_store_keeps_the_newest_tokens_and_its_provenance(tmp_path):
     with pytest.raises(SuffixError, match="is not a suffix store"):
         suffix.load_store(tmp_path / "other", 8, "tok-a")
     with pytest.raises(Exception, match="other"):  # never replaces a folder it did not write
-        suffix.save_store(tmp_path / "other", np.zeros(4, np.int32), "tok-a")
+        suffix.save_store(tmp_path / "other", {"store": np.zeros(4, np.int32)}, "tok-a")
     assert (tmp_path / "other/notes.txt").read_text() == "mine"
     assert json.loads((tmp_path / "store/manifest.json").read_text())["capacity"] == 8
 

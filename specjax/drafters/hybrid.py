@@ -173,8 +173,9 @@ def build(target, settings: HybridSettings, k: int, tree, sampler):
 
 
 def example(target, k: int, tree, sampler):
-    """The store of `Suffix`'s example with a fresh EAGLE-3 head as fallback (exactness checks)."""
-    suffix, store = registry.get("suffix").example(target, k, None, sampler)
+    """The store of `Suffix`'s example (its q from counts, where the suffix drafter's own example has the target's
+    distributions) with a fresh EAGLE-3 head as fallback (exactness checks)."""
+    suffix, store = registry.get("suffix").example(target, k, None, sampler, distributions=0)
     fallback, fparams = registry.get("eagle3").example(target, k, None, sampler)
     return Hybrid(suffix, fallback, threshold=1.0), {"suffix": store, "fallback": fparams}
 

@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import numbers
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -41,6 +42,7 @@ from specjax.drafting import registry
 from specjax.drafting.layouts import Draft, TreeLayout
 from specjax.drafting.trees import Chain
 from specjax.errors import SuffixError
+from specjax.sampling import Sampler, inverse_cdf
 
 FORMAT = "specjax-suffix-store"
 MANIFEST = "manifest.json"
@@ -95,9 +97,9 @@ def searched_text(store_R, seq_BS, n_tokens_B):
 
 
 def occurrences_of_suffix(text_TC, pending_B, min_match: int, max_match: int, occurrences: int, k: int):
-    """(match length n [B], continuations [B, X, k] (-1 past a document's end), read [B, X] bool): the ends of
-    each row's longest matching suffix in its text (`searched_text`), most recent first (see the module
-    docstring)."""
+    """(match length n [B], continuations [B, X, k] (-1 past a document's end), read [B, X] bool, ends [B, X]
+    (their index in the text)): the ends of each row's longest matching suffix in its text (`searched_text`), most
+    recent first (see the module docstring)."""
     batch, size = pending_B.shape[0], text_TC.shape[1]
     text = jnp.broadcast_to(text_TC, (batch, size)) if text_TC.shape[0] == 1 else text_TC
     at = lambda index: jnp.take_along_axis(
@@ -127,12 +129,30 @@ def occurrences_of_suffix(text_TC, pending_B, min_match: int, max_match: int, oc
     after = ends[..., None] + 1 + jnp.arange(k)  # [B, X, k]
     cont = jnp.where(after < size, at(after), -1)
     cont = jnp.where(jnp.cumprod(cont >= 0, axis=-1).astype(bool) & read[..., None], cont, -1)
-    return n, cont, read
+    return n, cont, read, ends
 
 
-def frequent_path(cont_BXK, read_BX, pending_B, k: int, uniform_BK=None, vocab: int = 0):
+def continuation_distributions(params, ends_BX, cont_BXK, sampler):
+    """(token ids, probabilities) [B, X, k, m] of each continuation token's target distribution: the store's
+    recorded top-m (`Suffix.distributions`) warped by `sampler` where the token follows a stored one, a point mass
+    on the token itself where it follows the batch's text."""
+    ids_RM, logp_RM = params["next_ids"], params["next_logp"]
+    size, m = ids_RM.shape
+    before = ends_BX[..., None] + jnp.arange(
+        cont_BXK.shape[-1]
+    )  # the token each continuation token follows
+    stored = (before < size) & (cont_BXK >= 0)
+    at = jnp.clip(before, 0, size - 1)
+    one_hot = jnp.arange(m) == 0
+    ids = jnp.where(stored[..., None], ids_RM[at], jnp.where(one_hot, cont_BXK[..., None], -1))
+    probs = sampler.probs(jnp.where(stored[..., None], logp_RM[at], jnp.where(one_hot, 0.0, -jnp.inf)))
+    return ids, jnp.where((ids >= 0) & (cont_BXK >= 0)[..., None], probs, 0.0)
+
+
+def frequent_path(cont_BXK, read_BX, pending_B, k: int, uniform_BK=None, vocab: int = 0, dists=None):
     """The chain through the continuations: tokens [B, k], the empirical probability of each prefix [B, k], and
-    with `uniform_BK`, tokens drawn from the frequencies instead, with the frequencies as q [B, k, V]."""
+    with `uniform_BK`, tokens drawn from the frequencies instead, with the frequencies as q [B, k, V]; with
+    `dists` (`continuation_distributions`), drawn from the mean of the agreeing continuations' distributions."""
     active, prob, tokens, probs, qs = read_BX, 1.0, [], [], []
     for d in range(k):
         tok = cont_BXK[:, :, d]
@@ -145,10 +165,20 @@ def frequent_path(cont_BXK, read_BX, pending_B, k: int, uniform_BK=None, vocab: 
             nth = jnp.floor(uniform_BK[:, d] * total).astype(jnp.int32)
             pick = jnp.argmax(jnp.cumsum(ok, axis=1) > nth[:, None], axis=1)
             rows = jnp.arange(tok.shape[0])[:, None]
-            q = jnp.zeros((tok.shape[0], vocab)).at[rows, jnp.maximum(tok, 0)].add(ok.astype(jnp.float32))
+            if dists is None:
+                q = (
+                    jnp.zeros((tok.shape[0], vocab))
+                    .at[rows, jnp.maximum(tok, 0)]
+                    .add(ok.astype(jnp.float32))
+                )
+            else:
+                ids, mass = dists[0][:, :, d], jnp.where(ok[..., None], dists[1][:, :, d], 0.0)
+                q = jnp.zeros((tok.shape[0], vocab)).at[rows[..., None], jnp.maximum(ids, 0)].add(mass)
             fallback = jax.nn.one_hot(pending_B, vocab)
             qs.append(jnp.where(total[:, None] > 0, q / jnp.maximum(total, 1)[:, None], fallback))
         chosen = jnp.take_along_axis(tok, pick[:, None], 1)[:, 0]
+        if dists is not None:
+            chosen = inverse_cdf(qs[-1], uniform_BK[:, d])
         token = jnp.where(total > 0, chosen, pending_B)
         prob = prob * jnp.where(
             total > 0, jnp.take_along_axis(count, pick[:, None], 1)[:, 0] / jnp.maximum(total, 1), 0
@@ -214,18 +244,21 @@ class Suffix:
     spec_factor: float = 1.0
     min_prob: float = 0.1
     frequencies: bool = False
+    distributions: int = 0
+    sampler: Sampler = Sampler()
     store: str = ""
     provenance: str = ""
+    score: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in ("k", "min_match", "max_match", "occurrences", "nodes"):
+        for name in ("k", "min_match", "max_match", "occurrences", "nodes", "distributions"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise SuffixError(f"suffix {name} must be an integer, got {value!r}; pass a whole number")
             object.__setattr__(self, name, int(value))
-            if value < (0 if name == "nodes" else 1):
+            if value < (0 if name in ("nodes", "distributions") else 1):
                 raise SuffixError(
-                    f"suffix {name}={value} is too small; pass a positive number (nodes: 0 = a chain)"
+                    f"suffix {name}={value} is too small; pass a positive number (nodes, distributions: 0 = none)"
                 )
         if self.max_match < self.min_match:
             raise SuffixError(
@@ -235,6 +268,11 @@ class Suffix:
             raise SuffixError(
                 f"suffix nodes={self.nodes} exceeds the {self.occurrences} x {self.k} continuation prefixes read; "
                 "use nodes <= occurrences x k"
+            )
+        if self.distributions and self.score is None:
+            raise SuffixError(
+                f"suffix distributions={self.distributions} records the target's distributions, but no target "
+                "scores them; build the drafter with its target (`build`), or pass distributions=0"
             )
         if not (self.spec_factor > 0 and 0 <= self.min_prob <= 1):
             raise SuffixError(
@@ -268,7 +306,7 @@ class Suffix:
         """(the round's draft, [B] the tokens each row's most-frequent chain expects accepted: `expected_accepted`;
         0 for a tree)."""
         text, pending = searched_text(params["store"], seq_BS, n_tokens_B)
-        n, cont, read = occurrences_of_suffix(
+        n, cont, read, ends = occurrences_of_suffix(
             text, pending, self.min_match, self.max_match, self.occurrences, self.k
         )
         last = jnp.take_along_axis(seq_BS, jnp.maximum(n_tokens_B - 1, 0)[:, None], 1)[:, 0].astype(
@@ -286,7 +324,10 @@ class Suffix:
         expected = expected_accepted(cont, read, tokens)
         if self.frequencies:
             uniform = jax.random.uniform(key, tokens.shape)
-            tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size)
+            dists = (
+                continuation_distributions(params, ends, cont, self.sampler) if self.distributions else None
+            )
+            tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size, dists)
         draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, choice=choice)
         return draft, expected
 
@@ -294,19 +335,60 @@ class Suffix:
         return state
 
     def absorb(self, params, sequences) -> dict:
-        """The params with `sequences` (token lists: each a finished prompt and output) added to the store, the
-        oldest tokens dropped when it is full; saved to `store` when the drafter has one."""
-        new = [t for s in sequences for t in (*s, -1)]
-        tokens = np.concatenate([np.asarray(params["store"]), np.asarray(new, np.int32)])[
-            -len(params["store"]) :
-        ]
+        """The params with `sequences` (token lists: each a finished prompt and output) added to the store (with
+        `distributions`, each token's next-token distribution as `score` gives it), the oldest tokens dropped when
+        it is full; saved to `store` when the drafter has one."""
+        size = len(params["store"])
+        keep = lambda old, new: np.concatenate([np.asarray(old), new])[-size:]
+        new = np.asarray([t for s in sequences for t in (*s, -1)], np.int32)
+        out = {"store": keep(params["store"], new)}
+        if self.distributions:
+            scored = [self.score(list(s)) for s in sequences]
+            gap = (
+                np.full((1, self.distributions), -1, np.int32),
+                np.full((1, self.distributions), -np.inf),
+            )
+            out["next_ids"] = keep(
+                params["next_ids"], np.concatenate([a for i, _ in scored for a in (i, gap[0])])
+            )
+            out["next_logp"] = keep(
+                params["next_logp"],
+                np.concatenate([a for _, lp in scored for a in (lp, gap[1])]).astype(np.float32),
+            )
         if self.store:
-            save_store(self.store, tokens, self.provenance)
-        return {"store": jnp.asarray(tokens)}
+            save_store(self.store, out, self.provenance)
+        return {name: jnp.asarray(array) for name, array in out.items()}
 
 
-def empty_store(capacity: int) -> dict:
-    return {"store": jnp.full((capacity,), -1, jnp.int32)}
+def empty_store(capacity: int, distributions: int = 0) -> dict:
+    """A store of `capacity` tokens (with `distributions`: their next-token distributions' top entries), empty."""
+    store = {"store": jnp.full((capacity,), -1, jnp.int32)}
+    if distributions:
+        store["next_ids"] = jnp.full((capacity, distributions), -1, jnp.int32)
+        store["next_logp"] = jnp.full((capacity, distributions), -jnp.inf, jnp.float32)
+    return store
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 4))
+def _top_next(cfg, graphdef, params, tokens_T, top: int):
+    from specjax.models.llama import causal_mask, forward, init_cache
+
+    t = tokens_T.shape[0]
+    logits, _, _ = forward(
+        graphdef, params, tokens_T[None], jnp.arange(t)[None], init_cache(cfg, 1, t), causal_mask(t)
+    )
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1), top)
+    return ids.astype(jnp.int32), logp
+
+
+def next_token_distributions(target, top: int, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, log-probabilities) [len(tokens), top]: the target's `top` most likely tokens after each token of
+    `tokens` (temperature 1), from one pass over them (padded to a multiple of 128: one compile per 128)."""
+    n = len(tokens)
+    padded = np.zeros(-(-n // 128) * 128, np.int32)
+    padded[:n] = tokens
+    ids, logp = _top_next(target.cfg, target.graphdef, target.params, jnp.asarray(padded), top)
+    return np.asarray(ids)[:n], np.asarray(logp)[:n]
 
 
 def is_store(folder: Path) -> bool:
@@ -316,11 +398,15 @@ def is_store(folder: Path) -> bool:
         return False
 
 
-def save_store(folder: str | Path, tokens_R: np.ndarray, tokenizer_id: str) -> None:
-    """Writes the store at `folder` (its tokens, the tokenizer's identity and a digest), whole or not at all."""
+DISTRIBUTION_FILES = ("next_ids", "next_logp")
+
+
+def save_store(folder: str | Path, store: dict, tokenizer_id: str) -> None:
+    """Writes the store at `folder` (its arrays, the tokenizer's identity and their digests), whole or not at all."""
     from specjax.training.data import array_digest
 
-    tokens_R = np.asarray(tokens_R, np.int32)
+    arrays = {name: np.asarray(array) for name, array in store.items()}
+    tokens_R = arrays["store"].astype(np.int32)
     manifest = {
         "format": FORMAT,
         "provenance": {"tokenizer": tokenizer_id},
@@ -328,33 +414,59 @@ def save_store(folder: str | Path, tokens_R: np.ndarray, tokenizer_id: str) -> N
         "n_tokens": int(np.sum(tokens_R >= 0)),
         "digest": array_digest(tokens_R),
     }
+    if "next_ids" in arrays:
+        manifest["distributions"] = int(arrays["next_ids"].shape[1])
+        manifest["distribution_digests"] = [array_digest(arrays[name]) for name in DISTRIBUTION_FILES]
     with files.atomic_dir(folder, replaceable=is_store, what="suffix store") as tmp:
         np.save(tmp / "tokens.npy", tokens_R, allow_pickle=False)
+        for name in DISTRIBUTION_FILES if "next_ids" in arrays else ():
+            np.save(tmp / f"{name}.npy", arrays[name], allow_pickle=False)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def load_store(folder: str | Path, capacity: int, tokenizer_id: str) -> dict:
+def load_store(folder: str | Path, capacity: int, tokenizer_id: str, distributions: int = 0) -> dict:
     """The params of the store saved at `folder`, resized to `capacity` (its newest tokens kept); an empty store
-    where there is none yet. A store of another tokenizer, or one modified since it was written, is refused."""
+    where there is none yet. A store of another tokenizer, or one modified since it was written, is refused. With
+    `distributions`, the saved distributions' top entries; a store saved without them has, for each token, a point
+    mass on the token that followed it."""
     from specjax.training.data import array_digest
 
     folder = Path(folder).absolute()
     if not folder.exists():
-        return empty_store(capacity)
+        return empty_store(capacity, distributions)
     fix = f"pass another --store, or move {folder} away to start an empty store there"
     if not is_store(folder):
         raise SuffixError(f"{folder} is not a suffix store (no {MANIFEST} of format {FORMAT}); {fix}")
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("provenance", {}).get("tokenizer") != tokenizer_id:
         raise SuffixError(f"the suffix store {folder} was written with another tokenizer; {fix}")
+    names = ("tokens", *(DISTRIBUTION_FILES if distributions and "distributions" in manifest else ()))
     try:
-        tokens = np.load(folder / "tokens.npy", allow_pickle=False)
+        arrays = [np.load(folder / f"{name}.npy", allow_pickle=False) for name in names]
     except (OSError, ValueError) as err:
         raise SuffixError(f"the suffix store {folder} is unreadable ({err}); {fix}") from err
-    if array_digest(tokens) != manifest.get("digest"):
+    digests = [manifest.get("digest"), *manifest.get("distribution_digests", [])][: len(arrays)]
+    if [array_digest(a) for a in arrays] != digests:
         raise SuffixError(f"the suffix store {folder} was modified since it was written; {fix}")
-    tokens = np.concatenate([np.full(capacity, -1, np.int32), tokens.astype(np.int32)])[-capacity:]
-    return {"store": jnp.asarray(tokens)}
+    tokens = arrays[0].astype(np.int32)
+    store = {"store": tokens}
+    if distributions:
+        ids, logp = arrays[1:] if len(arrays) == 3 else observed_distributions(tokens)
+        width = lambda a, fill: np.pad(a[:, :distributions], ((0, 0), (0, max(0, distributions - a.shape[1]))),
+                                       constant_values=fill)  # fmt: skip
+        store.update(
+            next_ids=width(ids.astype(np.int32), -1), next_logp=width(logp.astype(np.float32), -np.inf)
+        )
+    empty = empty_store(capacity, distributions)
+    return {name: jnp.concatenate([empty[name], jnp.asarray(a)])[-capacity:] for name, a in store.items()}
+
+
+def observed_distributions(tokens_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([R, 1] ids, [R, 1] log-probabilities): a point mass on the token after each token (none at a document's
+    end)."""
+    after = np.append(tokens_R[1:], -1)
+    follows = (tokens_R >= 0) & (after >= 0)
+    return np.where(follows, after, -1)[:, None], np.where(follows, 0.0, -np.inf)[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,6 +483,7 @@ class SuffixSettings:
     spec_factor: float = 1.0
     min_prob: float = 0.1
     frequencies: bool = False
+    distributions: int = 0
     HELP = dict(
         store="suffix drafter: folder of its store of earlier outputs, read at start and written after each batch "
         "(empty: kept in memory for the run).",
@@ -383,6 +496,9 @@ class SuffixSettings:
         spec_factor="suffix drafter: a round verifies at most ceil(spec_factor x match length) tokens.",
         min_prob="suffix drafter: verify the chain while its empirical probability stays >= min_prob.",
         frequencies="suffix drafter: when sampling, draw the chain from the continuation frequencies (q).",
+        distributions="suffix drafter, with --frequencies: the store also keeps the target's this many most likely "
+        "next tokens at each stored token (one target pass over each finished output), and q averages those "
+        "distributions instead of counting tokens (0: counts).",
     )
 
 
@@ -399,13 +515,22 @@ def build(target, settings: SuffixSettings, k: int, tree, sampler):
             "a suffix store or corpus holds the target's tokens; load a model with a tokenizer"
         )
     identity = tokenizer_identity(tokenizer) if needs_tokenizer else ""
+    if s.distributions and not s.frequencies:
+        raise SuffixError(
+            f"--distributions={s.distributions} sets the q of drafts drawn from the store; add --frequencies"
+        )
     drafter = Suffix(
         k, target.cfg.vocab_size, s.min_match, s.max_match, s.occurrences, s.nodes, s.spec_factor, s.min_prob,
-        s.frequencies and not sampler.greedy, s.store, identity,
+        s.frequencies and not sampler.greedy, s.distributions, sampler, s.store, identity,
+        functools.partial(next_token_distributions, target, s.distributions) if s.distributions else None,
     )  # fmt: skip
     if s.store_tokens < 1:
         raise SuffixError(f"--store_tokens={s.store_tokens} holds nothing; pass a positive capacity")
-    params = load_store(s.store, s.store_tokens, identity) if s.store else empty_store(s.store_tokens)
+    params = (
+        load_store(s.store, s.store_tokens, identity, s.distributions)
+        if s.store
+        else empty_store(s.store_tokens, s.distributions)
+    )
     if s.suffix_corpus:
         docs = read_documents(s.suffix_corpus, tokenizer, "suffix corpus", "--suffix_corpus")
         check_token_range(
@@ -415,12 +540,16 @@ def build(target, settings: SuffixSettings, k: int, tree, sampler):
     return drafter, params
 
 
-def example(target, k: int, tree, sampler):
+def example(target, k: int, tree, sampler, distributions: int = 4):
     """The drafter over a store of random tokens (exactness checks): repeats of one random text, so that
-    matches are found."""
+    matches are found; when sampling, drawn from the target's recorded `distributions` (0: from counts)."""
     text = np.random.default_rng(0).integers(0, target.cfg.vocab_size, 64).tolist()
-    drafter = Suffix(k, target.cfg.vocab_size, frequencies=not sampler.greedy)
-    return drafter, drafter.absorb(empty_store(512), [text, text[:40], text[20:]])
+    top = 0 if sampler.greedy else distributions
+    score = functools.partial(next_token_distributions, target, top) if top else None
+    drafter = Suffix(
+        k, target.cfg.vocab_size, frequencies=top > 0, distributions=top, sampler=sampler, score=score
+    )
+    return drafter, drafter.absorb(empty_store(512, top), [text, text[:40], text[20:]])
 
 
 registry.register(

@@ -147,7 +147,7 @@ def memory_bound_rows(target, prompts, n_new: int, repeats: int) -> list[dict]:
 def tables(out: harness.Writer, quick: bool, target) -> None:
     samples, n_new = (2, 16) if quick else (16, 128)
     prompts = [target.tokenizer.encode(p) for p in PROMPTS[: 1 if quick else 4]]
-    rollouts, repeated, store, suffix = [], [], None, None
+    rollouts, repeated, chains = [], [], {}
     for t in (1.0,) if quick else (1.0, 0.7, 0.3, 0.0):
         sampler = Sampler(t)
         requests = [p for p in prompts for _ in range(samples if t else 4)]
@@ -165,14 +165,26 @@ def tables(out: harness.Writer, quick: bool, target) -> None:
             else:
                 last = [c for i, c in enumerate(earlier) if i % 4 == 3]
                 repeated.append(row | dict(with_earlier_4th=tau(last)))
-            if settings == SuffixSettings(store_tokens=STORE_TOKENS) and t == 1.0:
-                suffix, store = drafter, learned
+            if method in ("suffix chain", "suffix chain, q from distributions") and t == 1.0:
+                chains[method] = drafter, learned
+    suffix, store = chains["suffix chain"]
     held = int(np.sum(np.asarray(store["store"]) >= 0))
+    mib = lambda store: sum(a.size * a.dtype.itemsize for a in store.values()) / 2**20
     notes = (
         f"The store (suffix chain, T = 1, after the last request): {held} tokens of {STORE_TOKENS} "
-        f"({4 * STORE_TOKENS / 2**20:.2f} MiB, int32); one lookup (a row of 256 tokens against it): "
-        f"{lookup_ms(suffix, store, 256):.2f} ms on this machine. n-gram and EAGLE-3 have no store: their columns "
-        "agree. tau: tokens per target pass over all the requests; *_mean: the mean of the requests' own tau."
+        f"({mib(store):.2f} MiB, int32); one lookup (a row of 256 tokens against it): "
+        f"{lookup_ms(suffix, store, 256):.2f} ms on this machine."
+    )
+    if "suffix chain, q from distributions" in chains:
+        recorded, store = chains["suffix chain, q from distributions"]
+        notes += (
+            f" With the target's {DISTRIBUTIONS} most likely next tokens per token (int32 ids, float32"
+            f" log-probabilities): {mib(store):.2f} MiB, and a lookup that draws the chain from them"
+            f" {lookup_ms(recorded, store, 256):.2f} ms."
+        )
+    notes += (
+        " n-gram and EAGLE-3 have no store: their columns agree. tau: tokens per target pass over all the requests;"
+        " *_mean: the mean of the requests' own tau."
     )
     out.table(
         "suffix_rollouts",

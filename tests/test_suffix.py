@@ -5,6 +5,7 @@ learns from finished outputs and keeps its provenance on disk, and greedy equali
 import json
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +98,139 @@ def test_sampled_chain_draws_from_the_frequencies_it_reports_as_q():
     ]  # drawn among the occurrences that agreed on 5: 6 twice as often as 7
     row = first.index(5)
     assert np.allclose(q[row, 1], np.eye(10)[6] * 2 / 3 + np.eye(10)[7] / 3)
+
+
+# the store's distributions for hand-made texts: each token's recorded (ids, probabilities) of the token after it
+RECORDED = {
+    (1, 2, 7): ([[2, 4], [7, 9], [0, 1]], [[0.5, 0.5], [0.6, 0.4], [0.5, 0.5]]),
+    (1, 3, 8): ([[3, 2], [8, 1], [0, 1]], [[0.75, 0.25], [0.5, 0.5], [0.5, 0.5]]),
+}
+
+
+def recording(tokens):
+    ids, probs = RECORDED[tuple(tokens)]
+    return np.asarray(ids, np.int32), np.log(np.asarray(probs, np.float32))
+
+
+def test_sampled_chain_draws_from_the_recorded_distributions_it_reports_as_q():
+    """q at each depth is the mean over the continuations that agree so far of the store's recorded distribution
+    (warped by the sampler: T = 0.5 squares and renormalises) or, for a continuation in the row's own text, a point
+    mass on it; tokens are drawn from that q."""
+    from specjax.sampling import Sampler
+
+    drafter = suffix.Suffix(2, 10, frequencies=True, distributions=2, sampler=Sampler(0.5), score=recording)
+    store = drafter.absorb(suffix.empty_store(8, 2), [[1, 2, 7], [1, 3, 8]])
+    assert store["store"].tolist() == [1, 2, 7, -1, 1, 3, 8, -1]
+    assert store["next_ids"][:5].tolist() == [[2, 4], [7, 9], [0, 1], [-1, -1], [3, 2]]
+    row = [1, 5, 1]  # "1" is followed by 2 and 3 in the store, by 5 in the row
+    seq = jnp.asarray([row], jnp.int32)
+    text, pending = suffix.searched_text(store["store"], seq, jnp.asarray([3]))
+    n, cont, read, ends = suffix.occurrences_of_suffix(text, pending, 1, 4, 4, 2)
+    dists = suffix.continuation_distributions(store, ends, cont, drafter.sampler)
+    rows = 30
+    grow = lambda a: jnp.broadcast_to(a, (rows, *a.shape[1:]))
+    u = (jnp.arange(rows)[:, None] + 0.5) / rows * jnp.ones((1, 2))
+    tokens, _, q = suffix.frequent_path(
+        grow(cont), grow(read), jnp.full(rows, 1), 2, u, 10, tuple(grow(d) for d in dists)
+    )
+    # (0.5, 0.5) stays; (0.75, 0.25) at T = 0.5 is (0.9, 0.1); the row's 5 is a point mass
+    expected = {2: (0.5 + 0.1) / 3, 3: 0.9 / 3, 4: 0.5 / 3, 5: 1 / 3}
+    assert np.allclose(q[0, 0], [expected.get(t, 0) for t in range(10)])
+    first = tokens[:, 0].tolist()
+    assert {t: first.count(t) for t in set(first)} == {2: 6, 3: 9, 4: 5, 5: 10}  # 30 x q, by inverse CDF
+    # after 2, only the first document agrees: its recorded (0.6, 0.4) over 7, 9 at T = 0.5; a token no
+    # continuation took (4) leaves no evidence: the pending token, a point mass
+    two, four = first.index(2), first.index(4)
+    assert np.allclose(q[two, 1], np.eye(10)[7] * 0.36 / 0.52 + np.eye(10)[9] * 0.16 / 0.52)
+    assert tokens[four, 1] == 1 and np.allclose(q[four, 1], np.eye(10)[1])
+
+
+def test_the_recorded_distributions_keep_pace_with_the_tokens_on_disk(tmp_path):
+    drafter = suffix.Suffix(
+        2, 10, frequencies=True, distributions=2, store=str(tmp_path / "store"), provenance="t", target_id="m",
+        score=recording,
+    )  # fmt: skip
+    params = drafter.absorb(suffix.empty_store(6, 2), [[1, 2, 7]])
+    params = drafter.absorb(params, [[1, 3, 8]])  # full: the oldest token and its distribution go together
+    assert params["store"].tolist() == [7, -1, 1, 3, 8, -1]
+    assert params["next_ids"].tolist() == [[0, 1], [-1, -1], [3, 2], [8, 1], [0, 1], [-1, -1]]
+    assert (
+        np.allclose(np.exp(params["next_logp"][2]), [0.75, 0.25])
+        and np.isneginf(params["next_logp"][1]).all()
+    )
+    load = lambda *a: suffix.load_store(tmp_path / "store", *a, target_id="m")
+    again = load(6, "t", 2)
+    assert all((np.asarray(again[k]) == np.asarray(params[k])).all() for k in params)
+    assert load(4, "t", 1)["next_ids"].tolist() == [[3], [8], [0], [-1]]  # the newest rows, the top columns
+    assert load(6, "t", 3)["next_ids"][2].tolist() == [3, 2, -1]
+    assert set(load(6, "t")) == {"store"}
+    # a store saved without distributions: each token's is a point mass on the token that followed it
+    suffix.save_store(tmp_path / "tokens", {"store": np.asarray([4, 5, 6, -1], np.int32)}, "t")
+    plain = suffix.load_store(tmp_path / "tokens", 4, "t", 2)
+    assert plain["next_ids"].tolist() == [[5, -1], [6, -1], [-1, -1], [-1, -1]]
+    assert plain["next_logp"][:2, 0].tolist() == [0.0, 0.0] and np.isneginf(plain["next_logp"][2:]).all()
+    with pytest.raises(SuffixError, match="holds another target's distributions; pass another --store"):
+        suffix.load_store(tmp_path / "store", 6, "t", 2, target_id="other")
+    assert set(suffix.load_store(tmp_path / "store", 6, "t", target_id="other")) == {"store"}  # its tokens
+    np.save(tmp_path / "store/next_logp.npy", np.zeros((6, 2), np.float32))
+    with pytest.raises(SuffixError, match="was modified since it was written"):
+        load(6, "t", 2)
+
+
+def test_next_token_distributions_are_the_target_s_top_tokens(stories):
+    from specjax.models.llama import causal_mask, forward, init_cache
+    from tests.tolerance import assert_close, forward_depth
+
+    tokens = stories.tokenizer.encode("Once upon a time there was")
+    ids, logp = suffix.next_token_distributions(stories, 5, tokens)  # a pass padded to 128 tokens
+    t = len(tokens)
+    cache = init_cache(stories.cfg, 1, t)
+    logits, _, _ = forward(stories.graphdef, stories.params, jnp.asarray([tokens]), jnp.arange(t)[None], cache,
+                           causal_mask(t))  # fmt: skip
+    full = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    assert ids.shape == (t, 5) and (np.argsort(-full, axis=1)[:, 0] == ids[:, 0]).all()
+    assert_close(
+        logp, np.take_along_axis(full, ids, 1), dtype=jnp.float32, depth=forward_depth(stories.cfg.n_layers)
+    )
+
+
+def test_a_sampled_run_records_its_target_s_distributions_in_the_store(stories, tmp_path):
+    from specjax.drafting import registry
+    from specjax.models.store import identity
+    from specjax.sampling import Sampler
+
+    settings = suffix.SuffixSettings(
+        store=str(tmp_path / "s"), store_tokens=512, frequencies=True, distributions=4
+    )
+    drafter, params = registry.get("suffix").build(stories, settings, 4, None, Sampler(0.7))
+    spec = GenerateSpec(16, eos_id=None, sampler=Sampler(0.7))
+    decode_texts(stories, ["Lily went to the park"], spec, 0, 1, drafter, params)
+    manifest = json.loads((tmp_path / "s/manifest.json").read_text())
+    assert manifest["provenance"]["target"] == identity(stories.path, stories.cfg, stories.params)
+    _, again = registry.get("suffix").build(
+        stories, settings, 4, None, Sampler(0.7)
+    )  # a later run reads them
+    tokens = again["store"][again["store"] >= 0].tolist()
+    ids, logp = suffix.next_token_distributions(stories, 4, tokens)
+    held = np.asarray(again["store"]) >= 0
+    assert (np.asarray(again["next_ids"])[held] == ids).all() and np.allclose(
+        np.asarray(again["next_logp"])[held], logp
+    )
+
+
+def test_distributions_need_a_target_and_sampled_drafts():
+    from specjax.drafting import registry
+    from specjax.sampling import Sampler
+    from specjax.verify_exactness import tiny_target
+
+    with pytest.raises(SuffixError, match="no target scores them; build the drafter with its target"):
+        suffix.Suffix(4, 50, frequencies=True, distributions=4)
+    with pytest.raises(
+        SuffixError, match="--distributions=4 sets the q of drafts drawn from the store; add --freq"
+    ):
+        registry.get("suffix").build(
+            tiny_target(), suffix.SuffixSettings(distributions=4), 4, None, Sampler(1.0)
+        )
 
 
 def test_store_keeps_the_newest_tokens_and_its_provenance(tmp_path):

@@ -138,9 +138,8 @@ def continuation_distributions(params, ends_BX, cont_BXK, sampler):
     on the token itself where it follows the batch's text."""
     ids_RM, logp_RM = params["next_ids"], params["next_logp"]
     size, m = ids_RM.shape
-    before = ends_BX[..., None] + jnp.arange(
-        cont_BXK.shape[-1]
-    )  # the token each continuation token follows
+    # the index of the token each continuation token follows
+    before = ends_BX[..., None] + jnp.arange(cont_BXK.shape[-1])
     stored = (before < size) & (cont_BXK >= 0)
     at = jnp.clip(before, 0, size - 1)
     one_hot = jnp.arange(m) == 0
@@ -248,6 +247,7 @@ class Suffix:
     sampler: Sampler = Sampler()
     store: str = ""
     provenance: str = ""
+    target_id: str = ""
     score: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -356,7 +356,7 @@ class Suffix:
                 np.concatenate([a for _, lp in scored for a in (lp, gap[1])]).astype(np.float32),
             )
         if self.store:
-            save_store(self.store, out, self.provenance)
+            save_store(self.store, out, self.provenance, self.target_id)
         return {name: jnp.asarray(array) for name, array in out.items()}
 
 
@@ -401,8 +401,9 @@ def is_store(folder: Path) -> bool:
 DISTRIBUTION_FILES = ("next_ids", "next_logp")
 
 
-def save_store(folder: str | Path, store: dict, tokenizer_id: str) -> None:
-    """Writes the store at `folder` (its arrays, the tokenizer's identity and their digests), whole or not at all."""
+def save_store(folder: str | Path, store: dict, tokenizer_id: str, target_id: str = "") -> None:
+    """Writes the store at `folder` (its arrays, the tokenizer's identity, with distributions the identity of the
+    target that gave them, and their digests), whole or not at all."""
     from specjax.training.data import array_digest
 
     arrays = {name: np.asarray(array) for name, array in store.items()}
@@ -415,6 +416,7 @@ def save_store(folder: str | Path, store: dict, tokenizer_id: str) -> None:
         "digest": array_digest(tokens_R),
     }
     if "next_ids" in arrays:
+        manifest["provenance"]["target"] = target_id
         manifest["distributions"] = int(arrays["next_ids"].shape[1])
         manifest["distribution_digests"] = [array_digest(arrays[name]) for name in DISTRIBUTION_FILES]
     with files.atomic_dir(folder, replaceable=is_store, what="suffix store") as tmp:
@@ -424,11 +426,13 @@ def save_store(folder: str | Path, store: dict, tokenizer_id: str) -> None:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def load_store(folder: str | Path, capacity: int, tokenizer_id: str, distributions: int = 0) -> dict:
+def load_store(
+    folder: str | Path, capacity: int, tokenizer_id: str, distributions: int = 0, target_id: str = ""
+) -> dict:
     """The params of the store saved at `folder`, resized to `capacity` (its newest tokens kept); an empty store
     where there is none yet. A store of another tokenizer, or one modified since it was written, is refused. With
-    `distributions`, the saved distributions' top entries; a store saved without them has, for each token, a point
-    mass on the token that followed it."""
+    `distributions`, the saved distributions' top entries (refused if another target than `target_id` gave them);
+    a store saved without them has, for each token, a point mass on the token that followed it."""
     from specjax.training.data import array_digest
 
     folder = Path(folder).absolute()
@@ -440,7 +444,12 @@ def load_store(folder: str | Path, capacity: int, tokenizer_id: str, distributio
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("provenance", {}).get("tokenizer") != tokenizer_id:
         raise SuffixError(f"the suffix store {folder} was written with another tokenizer; {fix}")
-    names = ("tokens", *(DISTRIBUTION_FILES if distributions and "distributions" in manifest else ()))
+    recorded = distributions and "distributions" in manifest
+    if recorded and manifest["provenance"].get("target") != target_id:
+        raise SuffixError(
+            f"the suffix store {folder} holds another target's distributions; {fix}, or pass --distributions=0"
+        )
+    names = ("tokens", *(DISTRIBUTION_FILES if recorded else ()))
     try:
         arrays = [np.load(folder / f"{name}.npy", allow_pickle=False) for name in names]
     except (OSError, ValueError) as err:
@@ -506,6 +515,7 @@ def build(target, settings: SuffixSettings, k: int, tree, sampler):
     if tree is not None:
         raise SuffixError("the suffix drafter builds its own tree; drop --tree and set --nodes instead")
     from specjax.datastore import tokenizer_identity
+    from specjax.models.store import identity as model_identity
     from specjax.training.data import check_token_range, read_documents
 
     s, tokenizer = settings, target.tokenizer
@@ -519,15 +529,18 @@ def build(target, settings: SuffixSettings, k: int, tree, sampler):
         raise SuffixError(
             f"--distributions={s.distributions} sets the q of drafts drawn from the store; add --frequencies"
         )
+    target_id = (
+        model_identity(target.path, target.cfg, target.params) if s.distributions and s.store else ""
+    )
     drafter = Suffix(
         k, target.cfg.vocab_size, s.min_match, s.max_match, s.occurrences, s.nodes, s.spec_factor, s.min_prob,
-        s.frequencies and not sampler.greedy, s.distributions, sampler, s.store, identity,
+        s.frequencies and not sampler.greedy, s.distributions, sampler, s.store, identity, target_id,
         functools.partial(next_token_distributions, target, s.distributions) if s.distributions else None,
     )  # fmt: skip
     if s.store_tokens < 1:
         raise SuffixError(f"--store_tokens={s.store_tokens} holds nothing; pass a positive capacity")
     params = (
-        load_store(s.store, s.store_tokens, identity, s.distributions)
+        load_store(s.store, s.store_tokens, identity, s.distributions, target_id)
         if s.store
         else empty_store(s.store_tokens, s.distributions)
     )

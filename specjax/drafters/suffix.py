@@ -10,7 +10,10 @@ Per row with `L` tokens (`x[L-1]` pending), the searched text is [store ; every 
   recent ends (latest in the text first) are read with the K tokens after each, cut at a document's end;
 - chain: at each depth the most frequent next token among the continuations that agree with the path so far
   (ties: the more recent); with `frequencies` and a sampling target, the token is drawn from those frequencies
-  instead and the draft carries them as q (exact under every acceptance rule);
+  instead and the draft carries them as q (exact under every acceptance rule); with `distributions` as well, from
+  the mean of those continuations' next-token distributions as the target gave them when the store learned them
+  (a continuation in the batch's own text: a point mass on its token), the expected frequencies in place of the
+  sampled ones;
 - the round verifies the shortest of `lengths` (1, 2, 4, ..., K) that covers the batch's longest most-frequent
   path whose empirical probability stays >= `min_prob`, capped at ceil(`spec_factor` n) tokens (SuffixDecoding's
   speculation length). The choice reads only the most-frequent paths, never a sampled token;
@@ -20,7 +23,10 @@ Per row with `L` tokens (`x[L-1]` pending), the searched text is [store ; every 
 - no match: the pending token repeated.
 
 The store (`{"store": int32 [R]}`, the drafter's params) holds the newest R tokens of what it absorbed, oldest
-first, -1 before them while it fills and between documents; when full, the oldest tokens go first.
+first, -1 before them while it fills and between documents; when full, the oldest tokens go first. With
+`distributions` = m it also holds, for each token, the target's m most likely next tokens and their log-probabilities
+at temperature 1 (`next_ids` int32 [R, m], `next_logp` float32 [R, m]; one target pass over each sequence it
+absorbs), warped by the run's sampler when drawn from.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ from specjax.sampling import Sampler
 PROMPTS = ("Once upon a time", "Tom had a red ball", "Lily went to the park", "One day, a little bird")
 STORE_TOKENS = 65_536
 K = 8
-DISTRIBUTIONS = (
-    8  # the target's most likely next tokens the store records per token, for q from distributions
-)
+# the target's most likely next tokens the store records per token, for q from distributions
+DISTRIBUTIONS = 8
 
 
 def drafters(quick: bool) -> list[tuple]:

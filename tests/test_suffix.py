@@ -207,9 +207,8 @@ def test_a_sampled_run_records_its_target_s_distributions_in_the_store(stories, 
     decode_texts(stories, ["Lily went to the park"], spec, 0, 1, drafter, params)
     manifest = json.loads((tmp_path / "s/manifest.json").read_text())
     assert manifest["provenance"]["target"] == identity(stories.path, stories.cfg, stories.params)
-    _, again = registry.get("suffix").build(
-        stories, settings, 4, None, Sampler(0.7)
-    )  # a later run reads them
+    # a later run reads them
+    _, again = registry.get("suffix").build(stories, settings, 4, None, Sampler(0.7))
     tokens = again["store"][again["store"] >= 0].tolist()
     ids, logp = suffix.next_token_distributions(stories, 4, tokens)
     held = np.asarray(again["store"]) >= 0

@@ -19,7 +19,7 @@ from specjax.drafters import distill
 from specjax.drafting.registry import trained
 from specjax.drafting.trees import parse_tree
 from specjax.metrics import summarize
-from specjax.models.llama import init_params
+from specjax.models.llama import init_params, sequence_logits
 from specjax.models.loading import load_model, tokenizer_files
 from specjax.training import divergences, losses, trainer
 from specjax.training.config import TrainingConfigError, base_config, smoke
@@ -195,8 +195,8 @@ def test_export_loads_everywhere_with_the_same_logits_and_drafts_exactly(trained
     meta, graphdef, params = distill.heads.load_heads(root / "straight", stories.cfg, stories.params)
     tokens = jnp.asarray([stories.tokenizer.encode("Once upon a time, there was a girl named Lily.")])
     cfg = distill.draft_config(meta["shape"], stories.cfg)
-    ours = np.asarray(distill.draft_logits(cfg, graphdef, params, tokens))
-    loaded = np.asarray(distill.draft_logits(draft.cfg, draft.graphdef, draft.params, tokens))
+    ours = np.asarray(sequence_logits(cfg, graphdef, params, tokens))
+    loaded = np.asarray(sequence_logits(draft.cfg, draft.graphdef, draft.params, tokens))
     np.testing.assert_array_equal(loaded, ours)
     hf = transformers.AutoModelForCausalLM.from_pretrained(dest, torch_dtype=torch.float32)
     with torch.no_grad():

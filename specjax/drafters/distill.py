@@ -29,7 +29,7 @@ from specjax.drafting import registry
 from specjax.drafting.protocol import target_io
 from specjax.errors import HeadsError
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import causal_mask, forward, init_cache, init_params
+from specjax.models.llama import init_params, sequence_logits
 from specjax.sampling import Sampler
 from specjax.training import divergences, losses
 from specjax.training.config import TrainingConfigError
@@ -170,13 +170,6 @@ class DistilledDraft(DraftModel):
         return super().commit(params["draft"], *args, **kwargs)
 
 
-def draft_logits(cfg: LlamaConfig, graphdef, params, tokens_BT):
-    """The draft's logits `[B, T, V]` at every position of full sequences."""
-    b, t = tokens_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return forward(graphdef, params, tokens_BT, positions, init_cache(cfg, b, t), causal_mask(t))[0]
-
-
 @precision.follows_params
 def distill_loss(graphdef, target_cfg, params, feats_BTH, tokens_BT, loss_mask_BT, h):
     """The configured divergence between target and draft at every position whose predicted token has loss
@@ -184,7 +177,7 @@ def distill_loss(graphdef, target_cfg, params, feats_BTH, tokens_BT, loss_mask_B
     cfg = draft_config(sizes(h), target_cfg)
     t = tokens_BT.shape[1]
     target = jnp.einsum("btd,vd->btv", feats_BTH[..., -target_cfg.dim :], params["target_head"])
-    draft = draft_logits(cfg, graphdef, params["draft"], tokens_BT)
+    draft = sequence_logits(cfg, graphdef, params["draft"], tokens_BT)
     weights = losses.predicted_mask(loss_mask_BT, 1, t)
     if h.divergence == "next_token":
         terms = losses.cross_entropy(draft[:, :-1], tokens_BT[:, 1:])

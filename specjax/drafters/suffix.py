@@ -377,13 +377,10 @@ def empty_store(capacity: int, distributions: int = 0) -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 4))
 def _top_next(cfg, graphdef, params, tokens_T, top: int):
-    from specjax.models.llama import causal_mask, forward, init_cache
+    from specjax.models.llama import sequence_logits
 
-    t = tokens_T.shape[0]
-    logits, _, _ = forward(
-        graphdef, params, tokens_T[None], jnp.arange(t)[None], init_cache(cfg, 1, t), causal_mask(t)
-    )
-    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1), top)
+    logits = sequence_logits(cfg, graphdef, params, tokens_T[None])[0]
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), top)
     return ids.astype(jnp.int32), logp
 
 

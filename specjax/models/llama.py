@@ -430,6 +430,13 @@ def causal_mask(t: int) -> jax.Array:
     return jnp.tril(jnp.ones((t, t), bool))
 
 
+def sequence_logits(cfg: LlamaConfig, graphdef, params, tokens_BT):
+    """The model's logits `[B, T, V]` at every position of full sequences (one pass, a fresh cache)."""
+    b, t = tokens_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return forward(graphdef, params, tokens_BT, positions, init_cache(cfg, b, t), causal_mask(t))[0]
+
+
 def abstract_model(cfg: LlamaConfig):
     """(graphdef, abstract params) without allocating weights."""
     return nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))

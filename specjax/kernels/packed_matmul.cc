@@ -61,7 +61,7 @@ static ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* ys = y->typed_data();
   const int64_t m = xd[0], k_len = xd[1], n = wd[0] * kPanel, blocks = (m + kMaxRows - 1) / kMaxRows;
-  run_shared(pool, wd[0], 4, [=](int64_t first, int64_t last) {
+  run_shared(pool, wd[0], 32, [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
       for (int64_t b = 0, t0 = 0; b < blocks; ++b) {  // rows in blocks of equal size, at most kMaxRows
         const int64_t r = m / blocks + (b < m % blocks);

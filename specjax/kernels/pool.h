@@ -21,8 +21,7 @@ struct PoolJob {
   // finish within a small chunk of each other (a product of 8 rows of the expanded stories260K in chunks of an
   // eighth: the caller waited 8-15 us a call for the helper's last one, 5% of a pass)
   void run() {
-    for (int64_t first = next.load();;) {
-      if (first >= units) return;
+    for (int64_t first = next.load(); first < units;) {
       const int64_t size = std::max(chunk, (units - first) / (2 * threads));
       if (next.compare_exchange_weak(first, first + size)) {
         work(first, std::min(first + size, units));

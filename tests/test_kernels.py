@@ -43,7 +43,8 @@ def test_built_where_a_compiler_is():
 
 @built
 @pytest.mark.parametrize(
-    "rows, n_in, n_out", [(1, 64, 64), (3, 37, 172), (8, 64, 512), (13, 128, 96), (31, 40, 33)]
+    "rows, n_in, n_out",
+    [(1, 64, 64), (3, 37, 172), (7, 48, 40), (8, 64, 512), (13, 128, 96), (16, 96, 80), (31, 40, 33)],
 )
 def test_product_equals_float64(build, rows, n_in, n_out):
     rng = np.random.default_rng(rows)
@@ -108,8 +109,8 @@ def test_a_stale_build_is_refused(tmp_path, monkeypatch):
 
 @built
 def test_panels_are_two_vectors_wide(build):
-    """AVX2's panels are 16 columns (7 rows' accumulators fit its 16 registers); a W packed for another width is
-    refused, naming the fix."""
+    """AVX2's panels are 16 columns (6 rows' accumulators and a panel row fit its 16 registers); a W packed for
+    another width is refused, naming the fix."""
     if build == "avx2":
         assert kernels.PANELS["avx2"] == 16
     width = kernels.PANELS[build]

@@ -59,7 +59,8 @@ def test_product_equals_float64(build, rows, n_in, n_out):
 
 @built
 @pytest.mark.parametrize(
-    "b, kv, g, t, slots, d", [(1, 8, 2, 1, 192, 32), (3, 2, 3, 5, 40, 20), (2, 1, 1, 4, 17, 64)]
+    "b, kv, g, t, slots, d",
+    [(1, 8, 2, 1, 192, 32), (1, 8, 2, 8, 192, 32), (3, 2, 3, 5, 40, 20), (2, 1, 1, 4, 17, 64)],
 )
 def test_attention_equals_float64(build, b, kv, g, t, slots, d):
     """Masked slots, slots past every token's last visible one, and a token that sees none (XLA's softmax over
@@ -82,6 +83,26 @@ def test_attention_equals_float64(build, b, kv, g, t, slots, d):
     assert np.allclose(want[-1, -1], v[-1].mean(-1))  # the blind token's row
     # scores (a sum of d products), softmax, then a sum over the slots
     assert_close(got, want, dtype=jnp.float32, depth=int(np.ceil(np.log2(d * slots))) + 2)
+
+
+@built
+def test_a_rows_attention_ignores_the_other_rows(build):
+    """With query rows in the vector lanes (16 rows: 8 tokens x 2 heads per kv head), a token's output has the same
+    bits whatever the other tokens ask and see: their queries and masks changed, one seeing slots past its own."""
+    rng = np.random.default_rng(1)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 16, 32), (2, 64, 32), (2, 32, 64))
+    )
+    visible = rng.random((1, 8, 64)) < 0.5
+    visible[:, :, 36], visible[:, :, 37:] = True, False  # the last visible slot inside a vector of slots
+    others = rng.random((1, 8, 64)) < 0.5
+    others[:, 0] = visible[:, 0]
+    q_others = q.at[:, 1:8].set(jnp.asarray(rng.standard_normal((2, 7, 32)), jnp.float32))
+    call = jax.jit(kernels.decode_attention, static_argnums=(4, 5))
+    a = np.asarray(call(q, k, v, jnp.asarray(visible), 0.2, build))
+    b = np.asarray(call(q_others.at[:, 9:16].set(q_others[:, 1:8]), k, v, jnp.asarray(others), 0.2, build))
+    assert others[0, 1:, 37:].any() and np.array_equal(a[:, [0, 8]], b[:, [0, 8]])
+    assert not np.array_equal(a[:, 1], b[:, 1])  # the others' rows did change
 
 
 @built

@@ -139,3 +139,13 @@ def test_panels_are_two_vectors_wide(build):
     wrong = jnp.ones((1, 8, 2 * width), jnp.float32)
     with pytest.raises(UsageError, match=rf"panels of {2 * width} columns.*kernels.pack\(w, '{build}'\)"):
         kernels.packed_matmul(x, wrong, 2 * width, build)
+
+
+@built
+def test_multiply_add_peak_counts_the_work_it_times():
+    """The peak's time grows with its multiply-adds (a loop the compiler dropped would take none), and its rate stays
+    below that of two vector multiply-add units at 6 GHz (work counted several times over would pass it)."""
+    lanes = kernels.PANELS["specjax"] // 2
+    short, long = (kernels.fma_peak_gflops(1, n, runs=3) for n in (1_000_000, 8_000_000))
+    assert 0.5 < long / short < 2
+    assert 0 < long < lanes * 2 * 2 * 6.0

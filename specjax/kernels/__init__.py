@@ -7,6 +7,8 @@
 - `decode_attention` (`decode_attention.cc`): XLA reads the whole static KV cache on one thread (a batch of 4 rows'
   attention cost more than 7 one-row attentions); this reads each row's cache once, up to its last visible slot, on
   XLA's threads.
+- `fma_peak_gflops` (`peak.cc`): the host's float multiply-add peak, the compute roof no product here can pass
+  (XLA's own matrix product reaches less: `experiments.bench_memory_bound`'s curve).
 
 `python -m specjax.kernels` (run by `make`) compiles them for this machine beside their sources, with the
 provenance (sources' hash, CPU, compiler) in `specjax_cpu.json`; a missing, stale or foreign build is not used, and
@@ -20,6 +22,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,7 +35,7 @@ from specjax.errors import MissingInputError, UsageError
 from specjax.results import cpu_name
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.h", "vec.h", "packed_matmul.cc", "decode_attention.cc")
+SOURCES = ("pool.h", "vec.h", "packed_matmul.cc", "decode_attention.cc", "peak.cc")
 LIBRARY = HERE / "specjax_cpu.so"
 PROVENANCE = HERE / "specjax_cpu.json"
 HANDLERS = {"packed_matmul": "PackedMatmul", "decode_attention": "DecodeAttention"}
@@ -114,6 +117,16 @@ def _require(registered: str):
         raise MissingInputError(
             "specjax's CPU kernels are not built for these sources and CPU; run make (python -m specjax.kernels)"
         )
+
+
+def fma_peak_gflops(threads: int | None = None, iterations: int = 20_000_000, runs: int = 3) -> float:
+    """The host's float multiply-add peak, GFLOP/s: `threads` threads (default: the CPUs this process may run on)
+    each running chains of `iterations` fused multiply-adds held in registers (`peak.cc`); the best of `runs`."""
+    _require("specjax")
+    rate = ctypes.cdll.LoadLibrary(str(LIBRARY)).SpecjaxFmaGflops
+    rate.restype, rate.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64)
+    threads = threads or len(os.sched_getaffinity(0))
+    return max(rate(threads, iterations) for _ in range(runs))
 
 
 def packed_matmul(x_RI: jax.Array, w_PIC: jax.Array, n_out: int, registered: str = "specjax") -> jax.Array:

@@ -46,7 +46,7 @@ COLUMNS = {  # the columns each table must have
         "tau_iid",
         "iid_error",
     ],
-    "memory_bound_machine": ["read_GBs", "matmul_GFLOPs"],
+    "memory_bound_machine": ["read_GBs", "matmul_GFLOPs", "fma_peak_GFLOPs", "roof_GFLOPs"],
     "memory_bound_curve": ["target", "batch", "T", "ms", "per_T1", "floor_ms", "roof_ms", "bound_over_ms"],
     "memory_bound_pilot": ["shape", "nodes", "tau_stories260K", "v", "predicted"],
     "memory_bound_decode": [

@@ -125,7 +125,8 @@ def fma_peak_gflops(threads: int | None = None, iterations: int = 20_000_000, ru
     _require("specjax")
     rate = ctypes.cdll.LoadLibrary(str(LIBRARY)).SpecjaxFmaGflops
     rate.restype, rate.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64)
-    threads = threads or len(os.sched_getaffinity(0))
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    threads = threads or len(usable)
     return max(rate(threads, iterations) for _ in range(runs))
 
 

@@ -386,6 +386,25 @@ def test_round_costs_are_timed_again_with_more_rounds_where_noise_hid_them(monke
     assert speculative.measure(adaptive, run((0.0, 0.0, 0.0)), rounds=8, repeats=3).costs == (1.0, 1.0, 1.0)
 
 
+def test_one_call_without_rounds_a_repeat_serves_every_k(monkeypatch):
+    """The call running no rounds (the prefill and the call's overhead) is the same program's same work whatever the
+    K: `measure` times it once a repeat and takes it from every K's and the plain round's calls."""
+    clock, without = [0.0], []
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+    per_round = {0: 0.03, 1: 0.04, 2: 0.05}  # by index into ks (0, 1, 2); a plain round 0.02
+
+    def call(measured):
+        rounds, plain = int(measured.rounds), float(measured.plain_cost) == 0.0
+        without.append(rounds == 0)
+        clock[0] += 1.0 + rounds * (0.02 if plain else per_round[int(measured.forced)])
+
+    measured = speculative.measure(AdaptiveK((0, 1, 2), prior=0.5), call, rounds=8, repeats=3)
+    assert measured.costs == pytest.approx((0.03, 0.04, 0.05))
+    assert measured.plain_cost == pytest.approx(0.02)
+    # the prior's call, then a repeat: one call without rounds, one per K and one plain
+    assert sum(without) == 3 and len(without) == 1 + 3 * 5
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 
 

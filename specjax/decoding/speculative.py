@@ -368,11 +368,14 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
     """`adaptive` with its round costs and prior measured, where not given, by `run(measured)` (the job's compiled
     loop; its SpecStats). Costs: per K (and, with K = 0 in the set, per plain round: `AdaptiveK.plain_cost`), the
     median over `repeats` of the time of a call running `rounds` rounds at that K less that of a call running none
-    (the prefill and the call's overhead), divided by `rounds` (where noise hid a cost, <= 0, again with 4x then 16x
-    the rounds; a cost still hidden takes the least one measured, every cost alike where none showed). The defaults
-    cost a tenth of 32 rounds x 9 repeats (EAGLE-3 on the expanded stories260K, K in 0, 1, 2, 4, 8: 3.1 s against
-    29.5 s at batch 1, 8 s against 71 s at batch 8) and their costs over a plain round's differed from those by no
-    more than two runs of 32 x 9 differed from each other (up to 8%).
+    (the prefill and the call's overhead: one such call a repeat, shared by every K, whose program does the same work
+    before its first round), divided by `rounds` (where noise hid a cost, <= 0, again with 4x then 16x the rounds; a
+    cost still hidden takes the least one measured, every cost alike where none showed). The defaults cost a tenth
+    of 32 rounds x 9 repeats (EAGLE-3 on the expanded stories260K, K in 0, 1, 2, 4, 8: 3.1 s against 29.5 s at batch
+    1, 8 s against 71 s at batch 8) and their costs over a plain round's differed from those by no more than two runs
+    of 32 x 9 differed from each other (up to 8%); that was with a call running none for every K, which the shared one
+    cut from 28-32 s to 19-20 s (batch 4, prompts of up to 52 tokens, K in 0, 1, 2, 4; three of each in turns on a
+    Zen 1 host: the costs over a plain round's spread alike, 1.46-1.66 and 1.48-1.62 at K = 1).
     Prior: the acceptance rate of all draft positions over `rounds` rounds at the largest K (kept within
     [0.05, 0.95]). With several processes, all take process 0's measurements (`agreed`)."""
     if adaptive.costs is not None and adaptive.prior is not None:
@@ -395,8 +398,9 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
         for n in (rounds, 4 * rounds, 16 * rounds):  # more rounds where the machine's noise hid their cost
             per_round = [[] for _ in runs]
             for _ in range(repeats):  # each in turn: a drifting machine speed reaches all alike
+                before = seconds(0, 0, False)
                 for (i, as_plain), t in zip(runs, per_round):
-                    t.append((seconds(i, n, as_plain) - seconds(i, 0, as_plain)) / n)
+                    t.append((seconds(i, n, as_plain) - before) / n)
             costs = [float(np.median(t)) for t in per_round]
             if min(costs) > 0:
                 break

@@ -98,6 +98,15 @@ static void row_by_row(const Slice& x, float scale, float* p) {
   }
 }
 
+// acc[j] += sum over t < n of a[t * width, a vector of lanes] * b[j][t], for kSlots rows b[j] (the scores: a = the
+// queries by head dimension, b = kSlots slots' keys; the sums: a = the weights by slot, b = kSlots dimensions' values)
+static inline void lane_dots(const float* a, int64_t width, const float* const* b, int64_t n, vec* acc) {
+  for (int64_t t = 0; t < n; ++t) {
+    const vec at = load(a + t * width);
+    for (int j = 0; j < kSlots; ++j) acc[j] += at * b[j][t];
+  }
+}
+
 // qt: scratch [d, width], p [slots, width], o [d, width] (width: the rows rounded up to whole vectors)
 static void rows_in_lanes(const Slice& x, float scale, int64_t width, float* qt, float* p, float* o) {
   for (int64_t r = 0; r < x.rows; ++r) {
@@ -108,10 +117,7 @@ static void rows_in_lanes(const Slice& x, float scale, int64_t width, float* qt,
       const float* kj[kSlots];
       for (int j = 0; j < kSlots; ++j) kj[j] = x.k + std::min(s0 + j, x.slots - 1) * x.d;
       vec acc[kSlots] = {};
-      for (int64_t i = 0; i < x.d; ++i) {
-        const vec qi = load(qt + i * width + lane0);
-        for (int j = 0; j < kSlots; ++j) acc[j] += qi * kj[j][i];
-      }
+      lane_dots(qt + lane0, width, kj, x.d, acc);
       for (int j = 0; j < kSlots && s0 + j < x.end; ++j) {
         const int64_t at = (s0 + j) * width + lane0;
         store(p + at, acc[j] * scale + load(x.bias + at));
@@ -132,10 +138,7 @@ static void rows_in_lanes(const Slice& x, float scale, int64_t width, float* qt,
       const float* vi[kSlots];
       for (int j = 0; j < kSlots; ++j) vi[j] = x.v + std::min(i0 + j, x.d - 1) * x.slots;
       vec acc[kSlots] = {};
-      for (int64_t s = 0; s < x.end; ++s) {
-        const vec ps = load(p + s * width + lane0);
-        for (int j = 0; j < kSlots; ++j) acc[j] += ps * vi[j][s];
-      }
+      lane_dots(p + lane0, width, vi, x.end, acc);
       for (int j = 0; j < kSlots && i0 + j < x.d; ++j) store(o + (i0 + j) * width + lane0, acc[j] / total);
     }
     for (int64_t r = lane0; r < std::min(lane0 + kLanes, x.rows); ++r) {

@@ -33,14 +33,15 @@ $(VENV)/.tables: $(VENV)/.base
 	$(COMPILE)
 	touch $@
 
-# specjax's CPU kernels for passes of several rows (products, attention; specjax/kernels), built for this machine;
-# without a C++ compiler they are not built and XLA's stay in use
-KERNEL := specjax/kernels/specjax_cpu.so
-$(KERNEL): $(wildcard specjax/kernels/*.cc specjax/kernels/*.h) | $(VENV)/.base
+# specjax's CPU kernels for passes of several rows (products, attention; specjax/kernels), built for this machine:
+# asked every time, the module rebuilds them only where they are missing or stale, from other sources or for another
+# CPU (a checkout moved to another host, whose -march=native may lack the build's instructions); without a C++
+# compiler they are not built and XLA's stay in use
+.PHONY: demo test bench heads tables kernels
+kernels: | $(VENV)/.base
 	$(PY) -m specjax.kernels
 
-.PHONY: demo test bench heads tables
-demo: $(VENV)/.base $(KERNEL)
+demo: $(VENV)/.base kernels
 	$(PY) run_decode.py
 
 # The tests run with jemalloc where the machine has it (Debian's libjemalloc2, which CI's .ci/run installs), keeping
@@ -51,23 +52,23 @@ ifneq ($(JEMALLOC),)
 TEST_ENV := LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1
 endif
 
-test: $(VENV)/.test $(KERNEL)
+test: $(VENV)/.test kernels
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(TEST_ENV) $(PY) -m pytest -q -n 3 --dist loadscope --no-loadscope-reorder --durations=30 tests
 
-bench: $(VENV)/.test $(KERNEL)
+bench: $(VENV)/.test kernels
 	$(PY) -m experiments.bench_ar
 
 # The paper-style tables and plots (Leviathan's Theorem 3.8, every drafter by prompt category, heads, sweeps) into
 # results/, each file stamped with commit, date, device and command.
-tables: $(VENV)/.tables $(KERNEL)
+tables: $(VENV)/.tables kernels
 	$(PY) -m experiments.tables
 
 # Speculative decoding on stories260K expanded to a memory-bound 372 MB target (synthetic cost, real distribution):
 # verify-cost curve, bandwidth and FLOP/s, every drafter at T=0/1 and batch 1/4 (about an hour on 2 busy cores).
 .PHONY: bench-memory
-bench-memory: $(VENV)/.base $(KERNEL)
+bench-memory: $(VENV)/.base kernels
 	$(PY) -m experiments.bench_memory_bound
 
 # Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation and greedy head, the

@@ -25,6 +25,14 @@ from specjax.errors import ResultsError
 
 REPO = Path(__file__).resolve().parents[1]
 STAMP_KEYS = ("commit", "date", "device", "command")
+# the widest vector extension a CPU has, as /proc/cpuinfo flags it
+VECTOR_EXTENSIONS = (
+    ("avx512f", "AVX-512"),
+    ("avx2", "AVX2"),
+    ("avx", "AVX"),
+    ("sse2", "SSE2"),
+    ("asimd", "NEON"),
+)
 
 
 def _commit() -> str:
@@ -40,15 +48,34 @@ def _commit() -> str:
     return head + ("+uncommitted changes" if dirty else "")
 
 
-def cpu_name() -> str:
-    """The host CPU's model name (/proc/cpuinfo), else what the platform reports."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ({} where the OS has none)."""
+    info = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return info
+
+
+def cpu_name() -> str:
+    """The host CPU's model name with its family, model and widest vector extension (a virtual machine may name
+    CPUs of different generations alike: "AMD EPYC"), else what the platform reports."""
+    info = cpu_info()
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    details = [
+        f"{label} {info[key]}"
+        for key, label in (("cpu family", "family"), ("model", "model"))
+        if key in info
+    ]
+    details += [name for flag, name in VECTOR_EXTENSIONS if flag in flags][:1]
+    return info["model name"] + (f" ({', '.join(details)})" if details else "")
 
 
 def device() -> str:

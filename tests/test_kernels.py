@@ -2,7 +2,7 @@
 float64 product to float32 rounding for any rows, widths and ragged panels (a model laid out for it is
 test_model_reference's), attention equals float64 attention for any heads, tokens and masks (a model running it:
 every model test on the CPU), for this host's vectors and for AVX2's (where the host runs AVX2); a build recorded for
-another source is refused."""
+other sources or another CPU is refused."""
 
 import platform
 import shutil
@@ -119,12 +119,18 @@ def test_attention_is_differentiable_as_xla_attention():
 
 
 @built
-def test_a_stale_build_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "key, why",
+    [("source_sha256", "built from other sources"), ("cpu_features_sha256", "built for another CPU")],
+)
+def test_a_stale_build_is_refused(key, why, tmp_path, monkeypatch):
+    """A build from other sources, or for a CPU with other instructions (however alike the two CPUs' names: a
+    virtual machine may call a Zen 1 and a Zen 5 both "AMD EPYC"), is not used: make builds it again."""
+    assert kernels.stale() is None
     provenance = tmp_path / "specjax_cpu.json"
-    provenance.write_text(
-        kernels.PROVENANCE.read_text().replace('"source_sha256": "', '"source_sha256": "0')
-    )
+    provenance.write_text(kernels.PROVENANCE.read_text().replace(f'"{key}": "', f'"{key}": "0'))
     monkeypatch.setattr(kernels, "PROVENANCE", provenance)
+    assert why in kernels.stale()
     assert not kernels.available.__wrapped__()
 
 

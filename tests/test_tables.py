@@ -127,6 +127,29 @@ COLUMNS = {  # the columns each table must have
 PLOTS = ["leviathan_figure3", "sweeps", "memory_bound_sweeps"]
 
 
+def test_the_cpu_is_named_by_generation_and_vectors(monkeypatch):
+    """A stamp tells apart hosts that a virtual machine names alike (Zen 1 and Zen 5 are both "AMD EPYC")."""
+    zen = lambda family, model, flags: {
+        "model name": "AMD EPYC",
+        "cpu family": family,
+        "model": model,
+        "flags": f"fpu sse2 {flags}",
+    }
+    named = {}
+    for host, info in {
+        "zen1": zen("23", "1", "avx avx2 fma"),
+        "zen5": zen("26", "2", "avx2 avx512f"),
+    }.items():
+        monkeypatch.setattr(results, "cpu_info", lambda info=info: info)
+        named[host] = results.cpu_name()
+    assert named == {
+        "zen1": "AMD EPYC (family 23, model 1, AVX2)",
+        "zen5": "AMD EPYC (family 26, model 2, AVX-512)",
+    }
+    monkeypatch.setattr(results, "cpu_info", dict)  # no /proc/cpuinfo: what the platform says
+    assert results.cpu_name() and "(" not in results.cpu_name()
+
+
 def test_theorem_38_table_is_the_closed_form():
     rows = {(r["alpha"], r["c"]): r for r in tables.improvement_rows()}
     for a, c, g in [(0.5, 0.01, 1), (0.7, 0.1, 3), (0.8, 0.05, 8), (0.9, 0.5, 2), (0.6, 0.2, 5)]:

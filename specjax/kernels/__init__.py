@@ -10,9 +10,9 @@
 - `fma_peak_gflops` (`peak.cc`): the host's float multiply-add peak, the compute roof no product here can pass
   (XLA's own matrix product reaches less: `experiments.bench_memory_bound`'s curve).
 
-`python -m specjax.kernels` (run by `make`) compiles them for this machine beside their sources, with the
-provenance (sources' hash, CPU, compiler) in `specjax_cpu.json`; a missing, stale or foreign build is not used, and
-products and attention stay XLA's.
+`python -m specjax.kernels` (run by `make`) compiles them for this machine beside their sources, unless a build of
+these sources for this CPU is there, with its provenance (sources' hash, CPU and its feature flags, compiler) in
+`specjax_cpu.json`; any other build is not used, and products and attention stay XLA's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import MissingInputError, UsageError
-from specjax.results import cpu_name
+from specjax.results import cpu_info, cpu_name
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.h", "vec.h", "packed_matmul.cc", "decode_attention.cc", "peak.cc")
@@ -44,13 +44,30 @@ PANELS: dict[str, int] = {}
 
 
 def _provenance(compiler: str) -> dict:
+    """What a build depends on: its sources, the CPU -march=native compiled for (its name and the hash of its
+    feature flags: CPUs a virtual machine names alike may differ in their instructions), and the compiler."""
+    info = cpu_info()
+    features = " ".join(sorted((info.get("flags") or info.get("Features") or "").split()))
     return {
         "source_sha256": hashlib.sha256(
             b"".join((HERE / name).read_bytes() for name in SOURCES)
         ).hexdigest(),
         "cpu": cpu_name(),
+        "cpu_features_sha256": hashlib.sha256(features.encode()).hexdigest(),
         "compiler": compiler,
     }
+
+
+def stale() -> str | None:
+    """Why the build in LIBRARY cannot be used here (missing, other sources, another CPU), or None."""
+    if not (LIBRARY.is_file() and PROVENANCE.is_file()):
+        return f"{LIBRARY} is not built"
+    recorded, now = json.loads(PROVENANCE.read_text()), _provenance("")
+    if recorded.get("source_sha256") != now["source_sha256"]:
+        return f"{LIBRARY} was built from other sources"
+    if any(recorded.get(key) != now[key] for key in ("cpu", "cpu_features_sha256")):
+        return f"{LIBRARY} was built for another CPU ({recorded.get('cpu')}; this one: {now['cpu']})"
+    return None
 
 
 def compile_library(out: Path, march: str = "native") -> str:
@@ -88,14 +105,10 @@ def register(library: Path, name: str) -> None:
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built for these sources and this CPU, and registered with XLA CPU (once)."""
-    if not (LIBRARY.is_file() and PROVENANCE.is_file()):
-        return False
-    recorded, now = json.loads(PROVENANCE.read_text()), _provenance("")
-    if any(recorded.get(key) != now[key] for key in ("source_sha256", "cpu")):
-        logging.warning(
-            "the CPU kernels %s were built from other sources or another CPU: XLA's stay in use (run make)",
-            LIBRARY,
-        )
+    why = stale()
+    if why is not None:
+        if LIBRARY.is_file():
+            logging.warning("%s: XLA's products and attention stay in use (run make)", why)
         return False
     register(LIBRARY, "specjax")
     return True

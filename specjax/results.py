@@ -25,13 +25,12 @@ from specjax.errors import ResultsError
 
 REPO = Path(__file__).resolve().parents[1]
 STAMP_KEYS = ("commit", "date", "device", "command")
-# the widest vector extension a CPU has, as /proc/cpuinfo flags it
+# an x86 CPU's widest vector extension, as /proc/cpuinfo flags it
 VECTOR_EXTENSIONS = (
     ("avx512f", "AVX-512"),
     ("avx2", "AVX2"),
     ("avx", "AVX"),
     ("sse2", "SSE2"),
-    ("asimd", "NEON"),
 )
 
 

@@ -12,6 +12,7 @@ if why is None:
     print(f"{kernels.LIBRARY} is up to date")
 else:
     try:
-        print(f"{why}: built {kernels.build()}")
+        print(f"{why}; building it", flush=True)
+        print(f"built {kernels.build()}")
     except (MissingInputError, subprocess.CalledProcessError) as e:
         print(f"warning: the CPU kernels were not built ({e}); XLA's stay in use", file=sys.stderr)

@@ -121,11 +121,15 @@ def test_attention_is_differentiable_as_xla_attention():
 @built
 @pytest.mark.parametrize(
     "key, why",
-    [("source_sha256", "built from other sources"), ("cpu_features_sha256", "built for another CPU")],
+    [
+        ("source_sha256", "built from other sources"),
+        ("cpu", "built for another CPU"),
+        ("cpu_features_sha256", "built for a CPU with other features"),
+    ],
 )
 def test_a_stale_build_is_refused(key, why, tmp_path, monkeypatch):
-    """A build from other sources, or for a CPU with other instructions (however alike the two CPUs' names: a
-    virtual machine may call a Zen 1 and a Zen 5 both "AMD EPYC"), is not used: make builds it again."""
+    """A build from other sources, for another CPU, or for a CPU with other instructions (however alike the two CPUs'
+    names: a virtual machine may call a Zen 1 and a Zen 5 both "AMD EPYC") is not used: make builds it again."""
     assert kernels.stale() is None
     provenance = tmp_path / "specjax_cpu.json"
     provenance.write_text(kernels.PROVENANCE.read_text().replace(f'"{key}": "', f'"{key}": "0'))

@@ -65,8 +65,10 @@ def stale() -> str | None:
     recorded, now = json.loads(PROVENANCE.read_text()), _provenance("")
     if recorded.get("source_sha256") != now["source_sha256"]:
         return f"{LIBRARY} was built from other sources"
-    if any(recorded.get(key) != now[key] for key in ("cpu", "cpu_features_sha256")):
+    if recorded.get("cpu") != now["cpu"]:
         return f"{LIBRARY} was built for another CPU ({recorded.get('cpu')}; this one: {now['cpu']})"
+    if recorded.get("cpu_features_sha256") != now["cpu_features_sha256"]:
+        return f"{LIBRARY} was built for a CPU with other features than this {now['cpu']}"
     return None
 
 

@@ -21,7 +21,7 @@ from specjax.drafters.eagle3 import frequent_tokens
 from specjax.models.loading import tokenizer_files
 from specjax.models.weights import CheckpointError
 from specjax.training import data, trainer
-from specjax.training.config import base_config, smoke
+from specjax.training.config import TrainingConfigError, base_config, smoke
 
 REPO = Path(__file__).parents[1]
 
@@ -121,6 +121,41 @@ def test_resume_equals_uninterrupted_and_ignores_half_written(
     assert_far(
         flat(at_six), flat(straight), dtype=np.float32
     )  # a control: six more steps moved the weights
+
+
+def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path, stories, monkeypatch):
+    """A new run with train.init_from starts from those heads' parameters (its first update is 0: the warmup starts
+    at lr 0), one without it from a random start (control); heads of another shape are refused."""
+    compile_training_once(monkeypatch)
+    source = REPO / "heads" / "stories260K_medusa"
+    _, _, committed = heads.load_heads(source, stories.cfg, stories.params)
+    flat = lambda tree: np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(tree)])
+    config = smoke_config("medusa", target_dir, corpus)
+    config.train.steps = 1
+    first_loss = {}
+    for name, init_from in (("continued", str(source)), ("fresh", "")):
+        config.train.init_from = init_from
+        trainer.train(config, tmp_path / name)
+        _, _, params = heads.load_heads(tmp_path / name, stories.cfg, stories.params)
+        first_loss[name] = losses(tmp_path / name)[0]
+        if init_from:
+            jax.tree.map(np.testing.assert_array_equal, committed, params)
+        else:
+            assert_far(flat(committed), flat(params), dtype=np.float32)
+    assert first_loss["continued"] < 0.9 * first_loss["fresh"], first_loss
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    meta = json.loads((other / "heads.json").read_text())
+    meta["shape"]["num_heads"] = 2
+    (other / "heads.json").write_text(json.dumps(meta))
+    config.train.init_from = str(other)
+    with pytest.raises(
+        TrainingConfigError, match="init_from=.* holds other heads .*shape.*num_heads.: 2.*num_heads.: 4"
+    ):
+        trainer.train(config, tmp_path / "refused")
+    config.train.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(TrainingConfigError, match="train.init_from=.*nowhere.* names no heads folder"):
+        trainer.train(config, tmp_path / "refused")
 
 
 def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):

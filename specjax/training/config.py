@@ -90,6 +90,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 500
     c.train.keep_checkpoints = 3  # at least 1
     c.train.allow_config_change = False  # resume a workdir whose recorded config.json differs (knowingly)
+    c.train.init_from = (
+        ""  # heads (a workdir or an export) a new run starts from, with a fresh optimiser ("": random)
+    )
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # devices on the data axis (-1: all that the model axis leaves)
@@ -229,6 +232,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(0 <= o.b2 < 1, "optimizer.b2", "must be in [0, 1)")
     need(o.clip_norm > 0, "optimizer.clip_norm", "must be > 0")
     need(t.steps >= 1, "train.steps", "must be >= 1")
+    need(
+        not t.init_from or (Path(t.init_from) / "heads.json").is_file(),
+        "train.init_from",
+        "names no heads folder (one holding heads.json: a train_heads.py workdir or an export of one)",
+    )
     need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")

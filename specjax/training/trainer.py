@@ -136,6 +136,19 @@ def make_train_step(loss, optimizer, config, dtype, resample=None):
     return train_step
 
 
+def start_from(source: str, meta: dict, cfg, target_params):
+    """The parameters of the heads in `source` (`train.init_from`), which must be the heads this run trains."""
+    theirs = heads.read_meta(Path(source))
+    if theirs != meta:
+        diff = {k: (theirs.get(k), meta.get(k)) for k in {*theirs, *meta} if theirs.get(k) != meta.get(k)}
+        raise TrainingConfigError(
+            f"config train.init_from={source!r} holds other heads than this run trains ((those, these) differ in "
+            f"{diff}); start from heads trained with the same method, heads settings and target"
+        )
+    logging.info("starting from the heads in %s, with a fresh optimiser", source)
+    return heads.load_heads(source, cfg, target_params)[2]
+
+
 def _logged_step(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
@@ -351,6 +364,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     heldout = jax.device_put(heldout, replicated) if config.data.heldout else None
 
     step, position = 0, 0
+    if manager.latest_step() is None and t.init_from:
+        params = jax.device_put(start_from(t.init_from, meta, cfg, target_params), replicated)
     if manager.latest_step() is not None:
         step = manager.latest_step()
         abstract = lambda tree: jax.tree.map(

@@ -10,6 +10,11 @@ ceiling that a head trained on the same objective approaches as its capacity and
 on the same contexts, drafted and verified the same way, says how far from it a trained head is. A head with a
 Markov head (DSpark's) tilts each position by the token drafted before it: it is drafted so here, and this ceiling,
 which is for positions drawn independently, does not bound it.
+
+That optimum is not the draft accepted most often at T = 1: a position drawn from q is accepted with probability
+sum_x min(p(x), q(x)) under the target's p after the intermediate tokens, and over their draws that is maximised by a
+quantile of the p's, not their mean (`acceptance_optimum`), the optimum of the TVD objective
+(`heads.divergence = "tvd"`).
 """
 
 from __future__ import annotations
@@ -75,9 +80,9 @@ def contexts(target, prompts: list[list[int]], temperature: float, n_new: int, e
     ]
 
 
-def marginals(target, ctx: list, k: int, t_c: float, n_paths: int, seed: int = 0) -> np.ndarray:
-    """[C, k, V]: the target's distributions (T = 1) of tokens a + 1 .. a + k after each context, averaged over
-    `n_paths` draws of the intermediate tokens at temperature `t_c` (position 1 has none: it is exact)."""
+def path_distributions(target, ctx: list, k: int, t_c: float, n_paths: int, seed: int = 0) -> np.ndarray:
+    """[C, n_paths, k, V]: the target's distributions (T = 1) of tokens a + 1 .. a + k after each context, one per
+    draw of the intermediate tokens at temperature `t_c` (position 1 has none: the same on every path)."""
     from specjax.decoding import generate
 
     rows = [c for c in ctx for _ in range(n_paths)]
@@ -89,7 +94,31 @@ def marginals(target, ctx: list, k: int, t_c: float, n_paths: int, seed: int = 0
         )
     logits, _ = _target_pass(target, _padded([r + list(p) for r, p in zip(rows, paths)]))
     p = jax.nn.softmax(_at(logits, [len(r) - 1 for r in rows], k), -1)
-    return np.asarray(p).reshape(len(ctx), n_paths, k, -1).mean(1)
+    return np.asarray(p).reshape(len(ctx), n_paths, k, -1)
+
+
+def marginals(target, ctx: list, k: int, t_c: float, n_paths: int, seed: int = 0) -> np.ndarray:
+    """[C, k, V]: the forward KL's optimum, the mean of `path_distributions` (Rao-Blackwellised)."""
+    return path_distributions(target, ctx, k, t_c, n_paths, seed).mean(1)
+
+
+def acceptance_optimum(p_CNkV: np.ndarray) -> np.ndarray:
+    """[C, k, V]: the q that maximises mean_n sum_x min(p_n(x), q(x)), a draft's expected acceptance at T = 1 over
+    the paths' distributions p_n (the optimum of the TVD objective). Raising q(x) gains the share of paths with
+    p_n(x) > q(x), so at the optimum every q(x) lies where that share is the same m / N: between the m-th and the
+    (m + 1)-th largest p_n(x), with m the largest count whose m-th largest values still sum to >= 1."""
+    n = p_CNkV.shape[1]
+    if n == 1:
+        return p_CNkV[:, 0]
+    ranked = -np.sort(-p_CNkV, axis=1)  # [C, N, k, V]: each token's values, largest first
+    sums = ranked.sum(-1)  # [C, N, k], falling with the rank; rank 1 sums to >= 1, rank N to <= 1
+    m = np.clip((sums >= 1).sum(1), 1, n - 1)[:, None]  # [C, 1, k]: ranks m - 1 and m (0-based) bracket 1
+    upper = np.take_along_axis(ranked, m[..., None] - 1, 1)[:, 0]
+    lower = np.take_along_axis(ranked, m[..., None], 1)[:, 0]
+    s_up, s_low = (np.take_along_axis(sums, i, 1)[:, 0] for i in (m - 1, m))
+    w = np.clip((1 - s_low) / np.maximum(s_up - s_low, 1e-300), 0, 1)[..., None]
+    q = lower + w * (upper - lower)
+    return q / q.sum(-1, keepdims=True)
 
 
 @precision.follows_params
@@ -187,7 +216,8 @@ TITLE = (
     "intermediate tokens drawn at the corpus's temperature, drafted and verified alike (T = 0: greedy; T = 1: "
     "independent draws per position, token-wise acceptance; the head with its Markov head, if it has one, tilting "
     "each position by the token drafted before it, which this optimum of independent positions does not bound); "
-    "reaches_i: the share of drafts accepted up to position i"
+    "at T = 1 also the optimum of the TVD objective (the draft of independent positions most often accepted over the "
+    "same intermediate tokens); reaches_i: the share of drafts accepted up to position i"
 )
 
 
@@ -200,10 +230,10 @@ def rows(target, heads_dir: Path, k: int = 7, n_paths: int = 64, n_chains: int =
         ctx = contexts(target, prompts, t, 64, 8, k)
         drafts = {f"DFlash head ({heads_dir.name})": head_distributions(target, heads_dir, ctx, k)}
         for t_c in (1.0, 0.5, 0.0):
-            drafts[f"its objective's optimum, corpus at T={t_c:g}"] = (
-                marginals(target, ctx, k, t_c, n_paths),
-                None,
-            )
+            paths = path_distributions(target, ctx, k, t_c, n_paths)
+            drafts[f"its objective's optimum, corpus at T={t_c:g}"] = (paths.mean(1), None)
+            if t == 1 and t_c == 1:
+                drafts["the TVD objective's optimum, corpus at T=1"] = (acceptance_optimum(paths), None)
         for name, (q, tilt) in drafts.items():
             reach = (
                 greedy_tau(target, ctx, q, tilt)

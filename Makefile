@@ -71,12 +71,13 @@ tables: $(VENV)/.tables kernels
 bench-memory: $(VENV)/.base kernels
 	$(PY) -m experiments.bench_memory_bound
 
-# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation and greedy head, the
-# parallel EAGLE-3 head and the distilled draft model on stories260K into heads/.
+# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, greedy head and TVD
+# fine-tune (from heads/stories260K_dflash), the parallel EAGLE-3 head and the distilled draft model on stories260K
+# into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
 	for m in medusa eagle eagle3 dflash; do \
-	  echo "== heads: training $$m (then the one-layer and greedy DFlash, parallel EAGLE-3, the distilled draft)" && \
+	  echo "== heads: training $$m (then the one-layer, greedy and TVD DFlash, parallel EAGLE-3, the distilled draft)" && \
 	  $(PY) train_heads.py --config=configs/$$m.py --workdir=checkpoints/$${m}_stories260K && \
 	  $(PY) -c "from specjax import heads; heads.export('checkpoints/$${m}_stories260K', 'heads/stories260K_$$m')" || exit 1; \
 	done
@@ -85,6 +86,9 @@ heads: $(VENV)/.base
 	$(PY) train_heads.py --config=configs/dflash_greedy.py --workdir=checkpoints/dflash_greedy_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_greedy_stories260K', \
 	  'heads/stories260K_dflash_greedy')"
+	$(PY) train_heads.py --config=configs/dflash_tvd.py --workdir=checkpoints/dflash_tvd_stories260K
+	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_tvd_stories260K', \
+	  'heads/stories260K_dflash_tvd')"
 	$(PY) train_heads.py --config=configs/eagle3_parallel.py --workdir=checkpoints/eagle3_parallel_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/eagle3_parallel_stories260K', \
 	  'heads/stories260K_eagle3_parallel')"

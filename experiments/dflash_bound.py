@@ -212,23 +212,23 @@ def sampled_tau(target, ctx: list, q: np.ndarray, n_chains: int, seed: int = 0, 
 
 TITLE = (
     "The tau a block draft could reach on stories260K (B = 8, contexts every 8 tokens of the free prompts' decoding): "
-    "the committed head against its training objective's optimum, the target's own per-position marginals over "
+    "the committed heads against their training objective's optimum, the target's own per-position marginals over "
     "intermediate tokens drawn at the corpus's temperature, drafted and verified alike (T = 0: greedy; T = 1: "
-    "independent draws per position, token-wise acceptance; the head with its Markov head, if it has one, tilting "
+    "independent draws per position, token-wise acceptance; a head with a Markov head tilting "
     "each position by the token drafted before it, which this optimum of independent positions does not bound); "
     "at T = 1 also the optimum of the TVD objective (the draft of independent positions most often accepted over the "
     "same intermediate tokens); reaches_i: the share of drafts accepted up to position i"
 )
 
 
-def rows(target, heads_dir: Path, k: int = 7, n_paths: int = 64, n_chains: int = 64) -> list[dict]:
-    """For T = 0 and 1 (contexts decoded at T): the head's tau and the objective's optimum's for corpora sampled at
+def rows(target, heads_dirs: list[Path], k: int = 7, n_paths: int = 64, n_chains: int = 64) -> list[dict]:
+    """For T = 0 and 1 (contexts decoded at T): the heads' tau and the objective's optimum's for corpora sampled at
     T = 1, 0.5 and 0, with how often each reaches block positions 1, 2, 4 and k."""
     prompts = harness.prompts(target.tokenizer, harness.STORY_OPENINGS)
     out = []
     for t in (0.0, 1.0):
         ctx = contexts(target, prompts, t, 64, 8, k)
-        drafts = {f"DFlash head ({heads_dir.name})": head_distributions(target, heads_dir, ctx, k)}
+        drafts = {f"DFlash head ({h.name})": head_distributions(target, h, ctx, k) for h in heads_dirs}
         for t_c in (1.0, 0.5, 0.0):
             paths = path_distributions(target, ctx, k, t_c, n_paths)
             drafts[f"its objective's optimum, corpus at T={t_c:g}"] = (paths.mean(1), None)

@@ -1,13 +1,14 @@
-"""`make tables --sections=dflash`: parallel (block) drafting against sequential drafting.
+"""Parallel (block) drafting against sequential drafting: `make tables --sections=dflash,dflash_speed`.
 
-- dflash_categories: tau and acceptance by prompt category at T=0 and T=1 on stories260K for DFlash (B = 4, 8, 16,
-  its dynamic tree, the one-layer head where committed, and at T=0 the head trained for greedy decoding where
-  committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48),
-  parallel EAGLE-3 (where committed) and the distilled draft, and at T=1 DFlash B = 8 and EAGLE-3 K = 7 drafting at
-  a sharper temperature; the heads' training cost in the notes.
-- dflash_memory_bound_*: the same drafters on the memory-bound expansion of stories260K (`bench_memory_bound`):
-  tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_memory_bound_*: EAGLE-3 against
-  DFlash with the head trained for greedy decoding (configs/dflash_greedy.py), T = 0.
+- dflash (`tables`): dflash_categories, tau and acceptance by prompt category at T=0 and T=1 on stories260K for
+  DFlash (B = 4, 8, 16, its dynamic tree, the one-layer head and the TVD head where committed, and at T=0 the head
+  trained for greedy decoding where committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48), parallel EAGLE-3
+  (where committed) and the distilled draft, and at T=1 DFlash B = 8 and EAGLE-3 K = 7 drafting at a sharper
+  temperature; the heads' training cost in the notes.
+- dflash_speed (`speed`): dflash_memory_bound_*, the same drafters on the memory-bound expansion of stories260K
+  (`bench_memory_bound`): tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_ and
+  dflash_tvd_memory_bound_*: EAGLE-3 against DFlash with the head trained for greedy decoding (configs/dflash_greedy.py)
+  at T = 0, and with the head fine-tuned on the TVD objective (configs/dflash_tvd.py) at T = 1.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from specjax.sampling import Sampler
 
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 CHECKPOINTS = Path("checkpoints")
+GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"  # configs/dflash_greedy.py: trained for greedy decoding
+TVD_HEAD = HEADS / "stories260K_dflash_tvd"  # configs/dflash_tvd.py: fine-tuned on the TVD objective
 # (head folder or None for the drafter's default, its training run under checkpoints/)
 RUNS = {
     "dflash": "dflash_stories260K",
     "dflash_l1": "dflash_l1_stories260K",
     "dflash_greedy": "dflash_greedy_stories260K",
+    "dflash_tvd": "dflash_tvd_stories260K",
     "eagle3": "eagle3_stories260K",
     "eagle3_parallel": "eagle3_parallel_stories260K",
 }
@@ -41,6 +45,7 @@ def methods(quick: bool) -> list[harness.Row]:
     if quick:
         return rows
     l1, parallel = HEADS / "stories260K_dflash_l1", HEADS / "stories260K_eagle3_parallel"
+    tvd = {"heads": str(TVD_HEAD)}
     present = lambda path, *rows: list(rows) if path.exists() else []  # rows of heads this checkout has
     sized = {"confidence": True}
     rows = [
@@ -50,6 +55,12 @@ def methods(quick: bool) -> list[harness.Row]:
         reg("dflash", "B=16, L=2, confidence-sized", "dflash", 15, **sized),
         reg("dflash", "B=8, L=2, confidence-sized", "dflash", 7, **sized),
         reg("dflash", "B=7, L=2, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48"),
+        *present(
+            TVD_HEAD,
+            reg("dflash", "B=8, L=2, TVD head", "dflash", 7, **whole, **tvd),
+            reg("dflash", "B=16, L=2, TVD head", "dflash", 15, **whole, **tvd),
+            reg("dflash", "B=7, L=2, TVD head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **tvd),
+        ),
         *present(
             l1, *(reg("dflash", f"B={b}, L=1", "dflash", b - 1, heads=str(l1), **whole) for b in (4, 8, 16))
         ),
@@ -87,9 +98,6 @@ def sharpened(quick: bool) -> list[harness.Row]:
         )
         for row in methods(True)
     ]
-
-
-GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"
 
 
 def greedy_rows(quick: bool) -> list[harness.Row]:
@@ -155,13 +163,16 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
 
 
 def training_notes() -> str:
-    """The committed heads' training cost, from their runs' logs under checkpoints/ where this checkout has them."""
+    """The committed heads' training cost, from their runs' logs under checkpoints/ or in their exports."""
     lines = []
     for head, run in RUNS.items():
-        log = CHECKPOINTS / run / "metrics.jsonl"
-        config = CHECKPOINTS / run / "config.json"
-        if not log.exists() or not config.exists():
+        # the run, or the export, which keeps its config and log (exports made before it did: none)
+        kept = [
+            d for d in (CHECKPOINTS / run, HEADS / f"stories260K_{head}") if (d / "metrics.jsonl").exists()
+        ]
+        if not kept or not (kept[0] / "config.json").exists():
             continue
+        log, config = kept[0] / "metrics.jsonl", kept[0] / "config.json"
         c = json.loads(config.read_text())["config"]
         logged = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         tokens = c["train.batch_size"] * c["data.seq_len"]
@@ -179,21 +190,22 @@ def training_notes() -> str:
             if c["data.source"] == "self_distill"
             else c["data.source"]
         )
+        objective = f", {c['heads.divergence']}" if "heads.divergence" in c else ""
+        start = c.get("train.init_from") or "random weights"
         lines.append(
-            f"- {head}: {steps[-1]} steps x {tokens} tokens from {data}, median {rate:.0f} tokens/s, "
+            f"- {head}: {steps[-1]} steps x {tokens} tokens from {data}{objective}, started from {start}, median "
+            f"{rate:.0f} tokens/s, "
             f"{seconds / 60:.1f} min of train steps (from the logged rate; compile and checkpoints aside)"
         )
     if not lines:
-        return "Training cost: no training run of these heads under checkpoints/ in this checkout (`make heads`)."
-    return "Training cost on this machine (`make heads`):\n" + "\n".join(lines)
+        return "Training cost: no log of these heads' training under checkpoints/ or in their exports (`make heads`)."
+    return "Training cost (`make heads`, on the machine that trained each head):\n" + "\n".join(lines)
 
 
-def tables(out: harness.Writer, quick: bool, target, categories: dict, repeats: int) -> None:
-    from experiments import bench_memory_bound as bench
-
+def tables(out: harness.Writer, quick: bool, target, categories: dict) -> None:
+    """dflash_categories: tau by prompt category (quick: the first category, a few rows)."""
     if quick:  # one category: the other sections' quick runs cover the rest
         categories = dict(list(categories.items())[:1])
-
     out.table(
         "dflash_categories",
         category_rows(target, categories, quick),
@@ -201,8 +213,13 @@ def tables(out: harness.Writer, quick: bool, target, categories: dict, repeats: 
         f"category (T = 1: {SEEDS} seeds pooled); a DFlash round drafts its whole block in one pass",
         training_notes(),
     )
-    if quick:  # minutes: `memory_bound` smoke-tests the benchmark
-        return
+
+
+def speed(out: harness.Writer, repeats: int) -> None:
+    """dflash_memory_bound_*: the drafters on the memory-bound target (`bench_memory_bound`), T = 0 and 1; then
+    EAGLE-3 against DFlash with the greedy head at T = 0 and with the TVD head at T = 1, where committed."""
+    from experiments import bench_memory_bound as bench
+
     settings = bench.Settings(
         batches=(1,),
         kinds=(
@@ -221,10 +238,8 @@ def tables(out: harness.Writer, quick: bool, target, categories: dict, repeats: 
         name="dflash_memory_bound",
     )
     bench.run(settings, out.folder)
-    if GREEDY_HEAD.exists():  # greedy decoding with the head trained for it
-        greedy = dict(temperatures=(0.0,), dflash_blocks=(8, 16), dflash_head=GREEDY_HEAD.name)
-        kinds = ("eagle3 chain", "dflash chain", "dflash dynamic")
-        bench.run(
-            dataclasses.replace(settings, kinds=kinds, name="dflash_greedy_memory_bound", **greedy),
-            out.folder,
-        )
+    for head, name, t in ((GREEDY_HEAD, "dflash_greedy", 0.0), (TVD_HEAD, "dflash_tvd", 1.0)):
+        if head.exists():
+            kinds = ("eagle3 chain", "dflash chain", "dflash dynamic")
+            own = dict(temperatures=(t,), dflash_blocks=(8, 16), dflash_head=head.name, kinds=kinds)
+            bench.run(dataclasses.replace(settings, name=f"{name}_memory_bound", **own), out.folder)

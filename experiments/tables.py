@@ -23,10 +23,13 @@ Sections:
   alpha at T=0 and T=1 and tau at K=4, with the undistilled first-layer draft and a next-token-trained draft of the
   same shape as baselines (each row trained to --distill_steps in checkpoints/distill_table/, resumed if there);
   tau by prompt category; and the draft-model rows of the memory-bound target (`experiments.bench_memory_bound`).
-- dflash: parallel (block) drafting: DFlash's block sizes and trees against EAGLE-3 sequential and parallel and the
-  distilled draft, tau by category at T=0/1 and the memory-bound target's speed (`experiments.dflash_table`).
-- dflash_bound: the tau a block draft could reach: the committed DFlash head against its training objective's
-  optimum for corpora sampled at T = 1, 0.5 and 0 (`experiments.dflash_bound`; not in --quick).
+- dflash: parallel (block) drafting: DFlash's block sizes, heads and trees against EAGLE-3 sequential and parallel
+  and the distilled draft, tau by category at T=0/1 (`experiments.dflash_table`).
+- dflash_speed: the same drafters' speed on the memory-bound target, and EAGLE-3 against the DFlash heads trained
+  for greedy (T = 0) and sampled (T = 1) decoding (`experiments.dflash_table`; not in --quick).
+- dflash_bound: the tau a block draft could reach: the committed DFlash heads (forward KL, TVD) against the forward
+  KL's optimum for corpora sampled at T = 1, 0.5 and 0 and, at T = 1, the TVD objective's (`experiments.dflash_bound`;
+  not in --quick).
 - suffix: suffix decoding on rollouts (16 samples per prompt at T = 1, 0.7, 0.3) and repeated greedy tasks, with and
   without the outputs of earlier requests in its store, against n-gram (`experiments.suffix_table`).
 - batch: AR, EAGLE-3's chain and the policy (adaptive K per round) at batch 1..16, batch after batch and with slots
@@ -63,6 +66,7 @@ SECTIONS = (
     "distill",
     "systems",
     "dflash",
+    "dflash_speed",
     "dflash_bound",
     "suffix",
     "batch",
@@ -584,17 +588,25 @@ def distill_tables(out: harness.Writer, quick: bool, target) -> None:
 def dflash(out: harness.Writer, quick: bool, target) -> None:
     from experiments import dflash_table
 
-    cats = categories(target.tokenizer, quick)
-    dflash_table.tables(out, quick, target, cats, 1 if quick else FLAGS.repeats)
+    dflash_table.tables(out, quick, target, categories(target.tokenizer, quick))
+
+
+def dflash_speed(out: harness.Writer, quick: bool, target) -> None:
+    if quick:  # minutes: `memory_bound` smoke-tests the benchmark
+        return
+    from experiments import dflash_table
+
+    dflash_table.speed(out, FLAGS.repeats)
 
 
 def dflash_bound(out: harness.Writer, quick: bool, target) -> None:
     if quick:  # minutes of sampling: tests/test_dflash_bound.py checks it on a few contexts
         return
     from experiments import dflash_bound as bound
-    from experiments.dflash_table import HEADS
+    from experiments.dflash_table import HEADS, TVD_HEAD
 
-    out.table("dflash_bound", bound.rows(target, HEADS / "stories260K_dflash"), bound.TITLE)
+    heads = [h for h in (HEADS / "stories260K_dflash", TVD_HEAD) if h.exists()]
+    out.table("dflash_bound", bound.rows(target, heads), bound.TITLE)
 
 
 def suffix(out: harness.Writer, quick: bool, target) -> None:
@@ -727,6 +739,7 @@ def main(argv):
             ("distill", distill_tables),
             ("systems", systems),
             ("dflash", dflash),
+            ("dflash_speed", dflash_speed),
             ("dflash_bound", dflash_bound),
             ("suffix", suffix),
         )

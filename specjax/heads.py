@@ -237,6 +237,7 @@ def load_heads(workdir: str | Path, target_cfg: LlamaConfig, target_params):
 
 
 EXPORT = "export.json"  # marks a directory written by `export` (and so one a later export may replace)
+RUN_RECORDS = ("config.json", "metrics.jsonl")  # the training run's config and log, which an export keeps
 
 
 def _is_export(path: Path) -> bool:
@@ -256,10 +257,10 @@ def _is_export(path: Path) -> bool:
 
 
 def export(workdir: str | Path, dest: str | Path) -> Path:
-    """Copies the latest head parameters (no optimiser state) and `heads.json` of a training run to `dest`:
-    a small directory that `load_heads` reads like the run itself. The copy is written beside `dest` and renamed
-    into place; an existing `dest` is replaced only if it is a previous export, anything else is refused, and so
-    is a `dest` equal to, inside or containing the workdir (files.DestinationError)."""
+    """Copies the latest head parameters (no optimiser state), `heads.json` and the run's config and log of a
+    training run to `dest`: a small directory that `load_heads` reads like the run itself. The copy is written
+    beside `dest` and renamed into place; an existing `dest` is replaced only if it is a previous export, anything
+    else is refused, and so is a `dest` equal to, inside or containing the workdir (files.DestinationError)."""
     import orbax.checkpoint as ocp
 
     workdir, dest = Path(workdir).absolute(), Path(dest).absolute()
@@ -284,6 +285,9 @@ def export(workdir: str | Path, dest: str | Path) -> Path:
             ignore=shutil.ignore_patterns("opt_state"),
         )
         shutil.copy2(workdir / META, tmp / META)
+        for log in RUN_RECORDS:  # how the heads were trained, where the run kept it
+            if (workdir / log).is_file():
+                shutil.copy2(workdir / log, tmp / log)
         record = {"format": "specjax-heads-export", "workdir": str(workdir), "step": step}
         (tmp / EXPORT).write_text(json.dumps(record, indent=1))
     return dest

@@ -125,7 +125,8 @@ def test_resume_equals_uninterrupted_and_ignores_half_written(
 
 def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path, stories, monkeypatch):
     """A new run with train.init_from starts from those heads' parameters (its first update is 0: the warmup starts
-    at lr 0), one without it from a random start (control); heads of another shape are refused."""
+    at lr 0), one without it from a random start (control); its export keeps its config and log; heads of another
+    shape are refused."""
     compile_training_once(monkeypatch)
     source = REPO / "heads" / "stories260K_medusa"
     _, _, committed = heads.load_heads(source, stories.cfg, stories.params)
@@ -143,6 +144,11 @@ def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path,
         else:
             assert_far(flat(committed), flat(params), dtype=np.float32)
     assert first_loss["continued"] < 0.9 * first_loss["fresh"], first_loss
+    exported = heads.export(
+        tmp_path / "continued", tmp_path / "exported"
+    )  # keeps how the heads were trained
+    for record in heads.RUN_RECORDS:
+        assert (exported / record).read_bytes() == (tmp_path / "continued" / record).read_bytes()
     other = tmp_path / "other"
     shutil.copytree(source, other)
     meta = json.loads((other / "heads.json").read_text())
@@ -374,6 +380,30 @@ def test_the_greedy_dflash_config_is_dflash_s_with_cold_documents_mixed_in():
         "heads.decay",
     }
     assert (sampled["data.mix_temperature"], greedy["data.mix_temperature"]) == (-1.0, 0.25)
+
+
+def test_the_tvd_dflash_config_fine_tunes_dflash_s_head_on_the_tvd_objective():
+    """configs/dflash_tvd.py starts from the committed configs/dflash.py head (whose shape it keeps) and trains it on
+    the TVD objective, on more documents, at a lower learning rate."""
+    import runpy
+
+    from specjax.training.config import flatten
+
+    load = lambda name: flatten(runpy.run_path(str(REPO / "configs" / name))["get_config"]())
+    base, tvd = load("dflash.py"), load("dflash_tvd.py")
+    changed = {k: (base[k], tvd[k]) for k in base if base[k] != tvd[k]}
+    assert set(changed) == {
+        "train.init_from",
+        "heads.divergence",
+        "data.num_samples",
+        "data.cache",
+        "optimizer.lr",
+        "optimizer.warmup_steps",
+        "train.steps",
+    }
+    assert changed["train.init_from"] == ("", "heads/stories260K_dflash")
+    assert changed["heads.divergence"] == ("forward_kl", "tvd")
+    assert heads.read_meta(REPO / "heads" / "stories260K_dflash")["method"] == "dflash"
 
 
 def test_progress_line_says_step_of_total_and_time_left(tmp_path):

@@ -90,9 +90,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 500
     c.train.keep_checkpoints = 3  # at least 1
     c.train.allow_config_change = False  # resume a workdir whose recorded config.json differs (knowingly)
-    c.train.init_from = (
-        ""  # heads (a workdir or an export) a new run starts from, with a fresh optimiser ("": random)
-    )
+    # heads (a workdir or an export) that a new run starts from, with a fresh optimiser ("": random weights)
+    c.train.init_from = ""
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # devices on the data axis (-1: all that the model axis leaves)

@@ -364,9 +364,10 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     heldout = jax.device_put(heldout, replicated) if config.data.heldout else None
 
     step, position = 0, 0
+    # a new run may start from trained heads; a resumed one continues from its own checkpoint
     if manager.latest_step() is None and t.init_from:
         params = jax.device_put(start_from(t.init_from, meta, cfg, target_params), replicated)
-    if manager.latest_step() is not None:
+    elif manager.latest_step() is not None:
         step = manager.latest_step()
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree

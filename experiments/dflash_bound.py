@@ -110,13 +110,16 @@ def acceptance_optimum(p_CNkV: np.ndarray) -> np.ndarray:
     n = p_CNkV.shape[1]
     if n == 1:
         return p_CNkV[:, 0]
-    ranked = -np.sort(-p_CNkV, axis=1)  # [C, N, k, V]: each token's values, largest first
+    ranked = -np.sort(
+        -np.asarray(p_CNkV, np.float64), axis=1
+    )  # [C, N, k, V]: each token's values, largest first
     sums = ranked.sum(-1)  # [C, N, k], falling with the rank; rank 1 sums to >= 1, rank N to <= 1
     m = np.clip((sums >= 1).sum(1), 1, n - 1)[:, None]  # [C, 1, k]: ranks m - 1 and m (0-based) bracket 1
     upper = np.take_along_axis(ranked, m[..., None] - 1, 1)[:, 0]
     lower = np.take_along_axis(ranked, m[..., None], 1)[:, 0]
     s_up, s_low = (np.take_along_axis(sums, i, 1)[:, 0] for i in (m - 1, m))
-    w = np.clip((1 - s_low) / np.maximum(s_up - s_low, 1e-300), 0, 1)[..., None]
+    gap = s_up - s_low  # 0 where the two ranks sum alike (paths that agree): either rank will do
+    w = np.clip(np.where(gap > 0, (1 - s_low) / np.where(gap > 0, gap, 1.0), 0.0), 0, 1)[..., None]
     q = lower + w * (upper - lower)
     return q / q.sum(-1, keepdims=True)
 

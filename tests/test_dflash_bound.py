@@ -80,5 +80,5 @@ def test_the_acceptance_optimum_is_accepted_most_often():
     best = np.minimum(p[:, :, 0, None], grid).sum(-1).mean(1).max(-1)  # [C]
     assert np.all(accepted(q) >= best - 1e-12), (accepted(q), best)
     assert np.max(accepted(q) - accepted(p.mean(1))) > 0.01
-    same = np.broadcast_to(p[:, :1], p.shape)
-    np.testing.assert_allclose(bound.acceptance_optimum(same), same[:, 0], rtol=1e-12)
+    same = np.broadcast_to(p[:, :1], p.shape).astype(np.float32)  # as the target's softmax gives them
+    np.testing.assert_allclose(bound.acceptance_optimum(same), same[:, 0], rtol=1e-6)

@@ -110,9 +110,8 @@ def acceptance_optimum(p_CNkV: np.ndarray) -> np.ndarray:
     n = p_CNkV.shape[1]
     if n == 1:
         return p_CNkV[:, 0]
-    ranked = -np.sort(
-        -np.asarray(p_CNkV, np.float64), axis=1
-    )  # [C, N, k, V]: each token's values, largest first
+    # [C, N, k, V]: each token's values, largest first (float64: paths that agree sum alike, not to rounding)
+    ranked = -np.sort(-np.asarray(p_CNkV, np.float64), axis=1)
     sums = ranked.sum(-1)  # [C, N, k], falling with the rank; rank 1 sums to >= 1, rank N to <= 1
     m = np.clip((sums >= 1).sum(1), 1, n - 1)[:, None]  # [C, 1, k]: ranks m - 1 and m (0-based) bracket 1
     upper = np.take_along_axis(ranked, m[..., None] - 1, 1)[:, 0]

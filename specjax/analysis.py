@@ -17,23 +17,60 @@ def expected_tokens_per_round(a: float, k: int) -> float:
     return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def tokens_per_round_moments(alpha_K):
-    """([K], [K]) the mean and variance of the tokens a round emits drafting k = 1..K tokens (accepted drafts + 1),
+def tokens_per_round_distributions(alpha_K):
+    """[K, K + 2] P(a round drafting k tokens emits j tokens (accepted drafts + 1)), k = 1..K by row, j = 0..K + 1,
     position i accepted with probability alpha[i] given all before it were. Traceable."""
-    at_least = jnp.cumprod(alpha_K)  # P(at least j drafts accepted), j = 1..K
-    j = jnp.arange(1, alpha_K.shape[0] + 1, dtype=at_least.dtype)
-    mean = jnp.cumsum(at_least)  # E[A] = sum_j P(A >= j)
-    second = jnp.cumsum((2 * j - 1) * at_least)  # E[A^2] = sum_j (2j - 1) P(A >= j)
-    return 1.0 + mean, jnp.maximum(second - mean**2, 0.0)
+    k_max = alpha_K.shape[0]
+    reach = jnp.concatenate(
+        [jnp.ones(1, alpha_K.dtype), jnp.cumprod(alpha_K)]
+    )  # P(at least i accepted), i=0..K
+    j = jnp.arange(k_max + 2)[None]
+    k = jnp.arange(1, k_max + 1)[:, None]
+    at = lambda i: reach[jnp.clip(i, 0, k_max)]
+    # j <= k tokens: j - 1 accepted and the next rejected; k + 1: all k accepted
+    return jnp.where(j == 0, 0.0, jnp.where(j <= k, at(j - 1) - at(j), jnp.where(j == k + 1, at(k), 0.0)))
 
 
-def expected_rounds_to_finish(mean, var, remaining_B, points: int = 64):
+def expected_rounds_to_finish(tokens_J, remaining_B, points: int = 64):
     """E[rounds until every row has emitted its `remaining_B` tokens] (rows with none left count no more) when each
-    round emits a random number of tokens of this `mean` and `var` per row, rows independent. Each row's rounds
-    are approximately normal (renewal theory: mean (m + overshoot) / mean, the last round's expected overshoot
-    past m being (E[X^2] - mean) / (2 mean) on the integers; variance m var / mean^3) and at least one while it has
-    tokens left and at most m (a round emits at least one token); the expected maximum is integrated over `points`
-    (static). Traceable: adaptive K scores each K by it inside the loop."""
+    round emits j tokens per row with probability `tokens_J[j]`, rows independent. Traceable: adaptive K scores
+    each K by it inside the loop.
+
+    Where no row has more than two rounds of the most tokens a round emits left, it is exact (the distribution of
+    each row's tokens after r rounds, cut at that window: `rounds_cdf`'s recursion). Elsewhere each row's rounds are
+    approximately normal (renewal theory: mean (m + overshoot) / mean, the last round's expected overshoot past m
+    being (E[X^2] - mean) / (2 mean) on the integers; variance m var / mean^3), at least one while it has tokens left
+    and at most m (a round emits at least one token); the expected maximum is integrated over `points` (static).
+    The approximation averages over m and is up to half a round off where the rounds are nearly certain, which near
+    a row's end decides between a long and a short draft."""
+    window = 2 * (tokens_J.shape[0] - 1)
+    exact = _rounds_near_the_end(tokens_J, remaining_B, window)
+    return jnp.where(jnp.max(remaining_B) <= window, exact, _renewal_rounds(tokens_J, remaining_B, points))
+
+
+def _rounds_near_the_end(tokens_J, remaining_B, window: int):
+    """E[rounds until every row has its tokens], exact for rows with at most `window` tokens left: sum over r of
+    P(some row is not done after r rounds), from the distribution of r rounds' tokens cut at `window`."""
+    s = jnp.arange(window + 1)
+    gap = s[None] - s[:, None]  # tokens a round moves the count from s to s'
+    step = jnp.where(
+        (gap >= 0) & (gap < tokens_J.shape[0]), tokens_J[jnp.clip(gap, 0, tokens_J.shape[0] - 1)], 0
+    )
+    # reaching the window absorbs: a count past it is done for every row the window describes
+    step = step.at[:, window].set(1.0 - step[:, :window].sum(1))
+    start = (s == 0).astype(tokens_J.dtype)
+    after = lambda d, _: (d @ step, d)
+    _, counts_RS = jax.lax.scan(after, start, length=window)  # rows r = 0..window - 1: r rounds' counts
+    done_RM = jnp.cumsum(counts_RS[:, ::-1], 1)[:, ::-1]  # P(at least m tokens after r rounds)
+    m = jnp.clip(remaining_B, 0, window).astype(jnp.int32)
+    return jnp.sum(1.0 - jnp.prod(done_RM[:, m], axis=1))
+
+
+def _renewal_rounds(tokens_J, remaining_B, points: int):
+    """`expected_rounds_to_finish`'s normal approximation."""
+    j = jnp.arange(tokens_J.shape[0], dtype=tokens_J.dtype)
+    mean = jnp.dot(j, tokens_J)
+    var = jnp.maximum(jnp.dot(j**2, tokens_J) - mean**2, 0.0)
     m = remaining_B.astype(jnp.float32)
     live = m > 0
     nu = (m + (var + mean**2 - mean) / (2 * mean)) / mean

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.analysis import expected_rounds_to_finish, tokens_per_round_moments
+from specjax.analysis import expected_rounds_to_finish, tokens_per_round_distributions
 from specjax.errors import DrafterError
 
 
@@ -165,12 +165,10 @@ class AdaptiveK:
 
     def best(self, counts_2K, remaining_B, costs, prior):
         """[] index into `ks` of the K whose expected rounds to finish x `costs` is least (the smaller on ties)."""
-        mean_K, var_K = tokens_per_round_moments(self.alpha(counts_2K, prior))
+        tokens_KJ = tokens_per_round_distributions(self.alpha(counts_2K, prior))
         drafting = jnp.asarray([k - 1 for k in self.ks if k > 0])
         # every K at once: a round runs this, and a few batched operations cost less than a few per K
-        rounds = jax.vmap(expected_rounds_to_finish, (0, 0, None))(
-            mean_K[drafting], var_K[drafting], remaining_B
-        )
+        rounds = jax.vmap(expected_rounds_to_finish, (0, None))(tokens_KJ[drafting], remaining_B)
         if self.ks[0] == 0:  # K = 0: a token a round
             rounds = jnp.concatenate([jnp.max(remaining_B).astype(jnp.float32)[None], rounds])
         return jnp.argmin(rounds * costs).astype(jnp.int32)

@@ -72,8 +72,8 @@ bench-memory: $(VENV)/.base kernels
 	$(PY) -m experiments.bench_memory_bound
 
 # Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, greedy head and TVD
-# fine-tune (from heads/stories260K_dflash), the parallel EAGLE-3 head and the distilled draft model on stories260K
-# into heads/.
+# fine-tunes (from heads/stories260K_dflash, then on blocks of 8), the parallel EAGLE-3 head and the distilled
+# draft model on stories260K into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
 	for m in medusa eagle eagle3 dflash; do \
@@ -89,6 +89,9 @@ heads: $(VENV)/.base
 	$(PY) train_heads.py --config=configs/dflash_tvd.py --workdir=checkpoints/dflash_tvd_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_tvd_stories260K', \
 	  'heads/stories260K_dflash_tvd')"
+	$(PY) train_heads.py --config=configs/dflash_tvd_b8.py --workdir=checkpoints/dflash_tvd_b8_stories260K
+	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_tvd_b8_stories260K', \
+	  'heads/stories260K_dflash_tvd_b8')"
 	$(PY) train_heads.py --config=configs/eagle3_parallel.py --workdir=checkpoints/eagle3_parallel_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/eagle3_parallel_stories260K', \
 	  'heads/stories260K_eagle3_parallel')"

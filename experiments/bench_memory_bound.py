@@ -371,12 +371,12 @@ def methods(settings: Settings, chain_k: int, dynamic: list, n_medusa: int):
             desc = f"dynamic {t.top_k},{t.depth},{t.total_tokens}"
             out.append((f"{method} dynamic", method, desc, t.depth, t))
     for size in settings.dflash_blocks:
-        out.append(("dflash chain", "dflash", f"block B={size}, chain of {size - 1}", size - 1, None))
+        out.append(("dflash chain", "dflash", f"chain of {size - 1}", size - 1, None))
     for size in settings.dflash_blocks[-1:]:
-        desc = f"block B={size}, verified prefix sized by the confidence head"
+        desc = f"chain of {size - 1}, verified prefix sized by the confidence head"
         out.append(("dflash sized", "dflash sized", desc, size - 1, None))
     for t in dynamic[:1]:  # the block's per-position top-k, searched as EAGLE-2 searches
-        desc = f"B={t.depth + 1}, dynamic {t.top_k},{t.depth},{t.total_tokens}"
+        desc = f"dynamic {t.top_k},{t.depth},{t.total_tokens}"
         out.append(("dflash dynamic", "dflash", desc, t.depth, t))
     return [row[1:] for row in out if row[0] in settings.kinds]
 
@@ -507,6 +507,7 @@ def decode_rows(
                 verified = float(np.dot(np.arange(len(hist)), hist) / hist.sum())
             v = costs.interp_cost(curves[b], verified + 1) / one
             n_calls, call_s = drafter_cost(method, drafter, calls, b)
+            dflash = method.startswith("dflash")
             c = call_s / one
             predicted = costs.predicted_speedup(generations, new_tokens, n_calls * c + v)
             spec = times[(method, desc)]
@@ -515,7 +516,8 @@ def decode_rows(
             round_s = (spec_s - prefill_s) / m["rounds"]
             rows.append(
                 base
-                | dict(method=method, draft=desc, tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
+                | dict(method=method, draft=desc + (f", block of {drafter.block}" if dflash else ""))
+                | dict(tau=m["tau"], a=m["acceptance_rate"], c=c, v=v)
                 | dict(tok_s=len(prompts) * new_tokens / spec_s)
                 | dict(speedup=harness.ratio(ar, spec), decode_speedup=decoding)
                 | dict(predicted=predicted, measured_over_predicted=decoding / predicted, of_floor=nan)
@@ -531,7 +533,7 @@ def drafter_cost(method: str, drafter, calls: dict, b: int) -> tuple[int, float]
     if method in ("n-gram", "retrieval", "lookahead"):
         return 0, 0.0
     if method.startswith("dflash"):
-        return 1, calls[(("dflash", block_measured(calls, b, drafter.shape.depth + 1)), b)]
+        return 1, calls[(("dflash", block_measured(calls, b, drafter.block)), b)]
     return (1 if method == "medusa" else drafter.shape.depth), calls[(method, b)]
 
 

@@ -1,10 +1,11 @@
 """Parallel (block) drafting against sequential drafting: `make tables --sections=dflash,dflash_speed`.
 
 - dflash (`tables`): dflash_categories, tau and acceptance by prompt category at T=0 and T=1 on stories260K for
-  DFlash (B = 4, 8, 16, its dynamic tree, the one-layer head and the TVD head where committed, and at T=0 the head
-  trained for greedy decoding where committed), EAGLE-3 sequential (chain K=7, dynamic 8,6,48), parallel EAGLE-3
-  (where committed) and the distilled draft, and at T=1 DFlash B = 8 and EAGLE-3 K = 7 drafting at a sharper
-  temperature; the heads' training cost in the notes.
+  DFlash (chains of 3, 7 and 15, its dynamic tree, the one-layer head and the TVD heads where committed, and at T=0
+  the head trained for greedy decoding where committed; each draft pass runs the block its head was trained on:
+  `draft_pass_tokens`), EAGLE-3 sequential (chain K=7, dynamic 8,6,48), parallel EAGLE-3 (where committed) and the
+  distilled draft, and at T=1 DFlash's chain of 7 and EAGLE-3 K = 7 drafting at a sharper temperature; the heads'
+  training cost in the notes.
 - dflash_speed (`speed`): dflash_memory_bound_*, the same drafters on the memory-bound expansion of stories260K
   (`bench_memory_bound`): tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_ and
   dflash_tvd_memory_bound_*: EAGLE-3 against DFlash with the head trained for greedy decoding (configs/dflash_greedy.py)
@@ -41,7 +42,7 @@ RUNS = {
 def methods(quick: bool) -> list[harness.Row]:
     """The table's rows (the optional heads' where this checkout has them)."""
     reg, whole = harness.registered, {"confidence": False}  # whole: verify the whole block
-    rows = [reg("dflash", "B=8, L=2", "dflash", 7, **whole), reg("eagle3", "chain K=7", "eagle3", 7)]
+    rows = [reg("dflash", "chain 7, L=2", "dflash", 7, **whole), reg("eagle3", "chain K=7", "eagle3", 7)]
     if quick:
         return rows
     l1, parallel = HEADS / "stories260K_dflash_l1", HEADS / "stories260K_eagle3_parallel"
@@ -49,20 +50,20 @@ def methods(quick: bool) -> list[harness.Row]:
     present = lambda path, *rows: list(rows) if path.exists() else []  # rows of heads this checkout has
     sized = {"confidence": True}
     rows = [
-        reg("dflash", "B=4, L=2", "dflash", 3, **whole),
+        reg("dflash", "chain 3, L=2", "dflash", 3, **whole),
         rows[0],
-        reg("dflash", "B=16, L=2", "dflash", 15, **whole),
-        reg("dflash", "B=16, L=2, confidence-sized", "dflash", 15, **sized),
-        reg("dflash", "B=8, L=2, confidence-sized", "dflash", 7, **sized),
-        reg("dflash", "B=7, L=2, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48"),
+        reg("dflash", "chain 15, L=2", "dflash", 15, **whole),
+        reg("dflash", "chain 15, L=2, confidence-sized", "dflash", 15, **sized),
+        reg("dflash", "chain 7, L=2, confidence-sized", "dflash", 7, **sized),
+        reg("dflash", "L=2, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48"),
         *present(
             TVD_HEAD,
-            reg("dflash", "B=8, L=2, TVD head", "dflash", 7, **whole, **tvd),
-            reg("dflash", "B=16, L=2, TVD head", "dflash", 15, **whole, **tvd),
-            reg("dflash", "B=7, L=2, TVD head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **tvd),
+            reg("dflash", "chain 7, L=2, TVD head", "dflash", 7, **whole, **tvd),
+            reg("dflash", "chain 15, L=2, TVD head", "dflash", 15, **whole, **tvd),
+            reg("dflash", "L=2, TVD head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **tvd),
         ),
         *present(
-            l1, *(reg("dflash", f"B={b}, L=1", "dflash", b - 1, heads=str(l1), **whole) for b in (4, 8, 16))
+            l1, *(reg("dflash", f"chain {k}, L=1", "dflash", k, heads=str(l1), **whole) for k in (3, 7, 15))
         ),
         rows[1],
         reg("eagle3", "dynamic 8,6,48", "eagle3", 6, "dynamic:8,6,48"),
@@ -86,7 +87,8 @@ DRAFT_TEMPERATURE = 0.8  # the sharpened rows' draft temperature, a multiple of 
 
 
 def sharpened(quick: bool) -> list[harness.Row]:
-    """DFlash B = 8 and EAGLE-3 K = 7 drafting at DRAFT_TEMPERATURE x T (rows of T > 0: greedy drafts are the same)."""
+    """DFlash's chain of 7 and EAGLE-3 K = 7 drafting at DRAFT_TEMPERATURE x T (rows of T > 0: greedy drafts are the
+    same)."""
     if quick:
         return []
     return [
@@ -101,15 +103,15 @@ def sharpened(quick: bool) -> list[harness.Row]:
 
 
 def greedy_rows(quick: bool) -> list[harness.Row]:
-    """DFlash B = 8, 16 and the dynamic tree with the head trained for greedy decoding (configs/dflash_greedy.py),
-    where this checkout has it: rows of T = 0 only."""
+    """DFlash's chains of 7 and 15 and the dynamic tree with the head trained for greedy decoding
+    (configs/dflash_greedy.py), where this checkout has it: rows of T = 0 only."""
     if quick or not GREEDY_HEAD.exists():
         return []
     reg, head = harness.registered, {"heads": str(GREEDY_HEAD)}
     return [
-        reg("dflash", "B=8, L=2, greedy head", "dflash", 7, confidence=False, **head),
-        reg("dflash", "B=16, L=2, greedy head", "dflash", 15, confidence=False, **head),
-        reg("dflash", "B=7, L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
+        reg("dflash", "chain 7, L=2, greedy head", "dflash", 7, confidence=False, **head),
+        reg("dflash", "chain 15, L=2, greedy head", "dflash", 15, confidence=False, **head),
+        reg("dflash", "L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
     ]
 
 
@@ -155,6 +157,7 @@ def category_rows(target, categories: dict, quick: bool) -> list[dict]:
                     dict(method=row.method, setting=row.setting, category=category, T=t, tau=m["tau"])
                     | dict(verified_per_round=float(np.dot(np.arange(len(hist)), hist) / hist.sum()))
                     | dict(a=m["acceptance_rate"], draft_passes_per_round=passes(drafter))
+                    | dict(draft_pass_tokens=getattr(drafter, "block", float("nan")))
                 )
             # each drafter's programs freed: XLA CPU maps every compiled program until JAX's caches let go, and
             # this section's decodes, then the memory-bound runs, crashed on the process's vm.max_map_count

@@ -159,6 +159,30 @@ def drafted_logits(hgraph, dparams, feats, tokens, anchor, block_size, context=N
     return dflash_block(hgraph, dparams, block, positions, cache)[0]
 
 
+def test_a_shorter_chain_drafts_from_the_trained_block():
+    """A head trained on blocks of 4 drafting k = 1 proposes what the whole block's first position is (k = 3's), not
+    what a pass of k + 1 tokens gives (the masks attend to each other: a block of 2 drafts another distribution)."""
+    import dataclasses
+
+    graphdef, params = TARGET
+    tokens = jnp.asarray([[5, 9, 3, 7, 2, 11]], jnp.int32)
+    feats = target_features(TINY, graphdef, params, tokens, LAYERS)
+    meta, hgraph, hparams = dflash(TINY, params, block_size=4)
+    dparams = heads.drafter_params(meta, hparams, TINY, params)
+    length = jnp.asarray([tokens.shape[1]])
+    seq = jnp.zeros((1, 32), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
+
+    def first(drafter):  # the distribution of draft token 1
+        state = drafter.init(dparams, tokens, length, 32, feats)
+        return drafter.propose(dparams, state, seq, length, jax.random.key(0))[0].q_probs[0, 0]
+
+    make = lambda k: heads.make_drafter(meta, hgraph, TINY, k, Sampler(1.0))
+    assert make(1).block == make(3).block == 4 and make(5).block == 6
+    whole = first(make(3))
+    assert_close(first(make(1)), whole, dtype=jnp.float32, depth=forward_depth(2) + 2)
+    assert_far(first(dataclasses.replace(make(1), block_size=0)), whole, dtype=jnp.float32)
+
+
 def test_training_blocks_are_the_drafting_pass(training_case):
     """Each training block's logits equal the drafting pass at its anchor (context written to the cache, then
     the block), for several anchors at once; a block that also saw its anchor's own context feature differs."""

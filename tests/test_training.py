@@ -164,6 +164,28 @@ def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path,
         trainer.train(config, tmp_path / "refused")
 
 
+def test_init_from_takes_heads_with_the_same_arrays(stories):
+    """A DFlash run at block 8 may start from the committed head trained at block 16 (a block size changes no array)
+    and gets its parameters; a run of another depth may not."""
+    source = REPO / "heads" / "stories260K_dflash_tvd"
+    theirs = heads.read_meta(source)
+    _, _, committed = heads.load_heads(source, stories.cfg, stories.params)
+    start = lambda meta: trainer.start_from(
+        str(source),
+        meta,
+        heads.new_heads(meta, stories.cfg, stories.params)[1],
+        stories.cfg,
+        stories.params,
+    )
+    block8 = json.loads(json.dumps(theirs))
+    block8["shape"]["block_size"] = 8
+    jax.tree.map(np.testing.assert_array_equal, committed, start(block8))
+    shallower = json.loads(json.dumps(theirs))
+    shallower["shape"]["n_layers"] = 1
+    with pytest.raises(TrainingConfigError, match="init_from=.* holds other heads .*'n_layers': 2"):
+        start(shallower)
+
+
 def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
     """A preempted run (SIGTERM) keeps every step it finished, with no periodic checkpoint due."""
     workdir = tmp_path / "run"

@@ -136,15 +136,26 @@ def make_train_step(loss, optimizer, config, dtype, resample=None):
     return train_step
 
 
-def start_from(source: str, meta: dict, cfg, target_params):
-    """The parameters of the heads in `source` (`train.init_from`), which must be the heads this run trains."""
+def start_from(source: str, meta: dict, params, cfg, target_params):
+    """The parameters of the heads in `source` (`train.init_from`), which must be heads of this run's method and
+    target with the arrays of `params` (this run's fresh heads): settings that change no array, as a DFlash head's
+    block size, may differ."""
     theirs = heads.read_meta(Path(source))
     if theirs != meta:
-        diff = {k: (theirs.get(k), meta.get(k)) for k in {*theirs, *meta} if theirs.get(k) != meta.get(k)}
-        raise TrainingConfigError(
-            f"config train.init_from={source!r} holds other heads than this run trains ((those, these) differ in "
-            f"{diff}); start from heads trained with the same method, heads settings and target"
+        shapes = lambda tree: (
+            jax.tree.structure(tree),
+            [(x.shape, x.dtype) for x in jax.tree.leaves(tree)],
         )
+        same_arrays = (theirs["method"], theirs["target"]) == (meta["method"], meta["target"]) and (
+            shapes(heads.new_heads(theirs, cfg, target_params)[1]) == shapes(params)
+        )
+        diff = {k: (theirs.get(k), meta.get(k)) for k in {*theirs, *meta} if theirs.get(k) != meta.get(k)}
+        if not same_arrays:
+            raise TrainingConfigError(
+                f"config train.init_from={source!r} holds other heads than this run trains ((those, these) differ "
+                f"in {diff}); start from heads trained with the same method, heads settings and target"
+            )
+        logging.info("the heads in %s have the same arrays; (those, these) differ in %s", source, diff)
     logging.info("starting from the heads in %s, with a fresh optimiser", source)
     return heads.load_heads(source, cfg, target_params)[2]
 
@@ -366,7 +377,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
     step, position = 0, 0
     # a new run may start from trained heads; a resumed one continues from its own checkpoint
     if manager.latest_step() is None and t.init_from:
-        params = jax.device_put(start_from(t.init_from, meta, cfg, target_params), replicated)
+        params = jax.device_put(start_from(t.init_from, meta, params, cfg, target_params), replicated)
     elif manager.latest_step() is not None:
         step = manager.latest_step()
         abstract = lambda tree: jax.tree.map(

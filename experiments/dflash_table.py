@@ -7,9 +7,10 @@
   distilled draft, and at T=1 DFlash's chain of 7 and EAGLE-3 K = 7 drafting at a sharper temperature; the heads'
   training cost in the notes.
 - dflash_speed (`speed`): dflash_memory_bound_*, the same drafters on the memory-bound expansion of stories260K
-  (`bench_memory_bound`): tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_ and
-  dflash_tvd_memory_bound_*: EAGLE-3 against DFlash with the head trained for greedy decoding (configs/dflash_greedy.py)
-  at T = 0, and with the head fine-tuned on the TVD objective (configs/dflash_tvd.py) at T = 1.
+  (`bench_memory_bound`): tokens/s, c, v and the analytic prediction, batch 1, T = 0 and 1; dflash_greedy_,
+  dflash_tvd_ and dflash_tvd_b8_memory_bound_*: EAGLE-3 against DFlash with the head trained for greedy decoding
+  (configs/dflash_greedy.py) at T = 0, and with the heads fine-tuned on the TVD objective (configs/dflash_tvd.py,
+  configs/dflash_tvd_b8.py) at T = 1.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ HEADS = Path(__file__).resolve().parents[1] / "heads"
 CHECKPOINTS = Path("checkpoints")
 GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"  # configs/dflash_greedy.py: trained for greedy decoding
 TVD_HEAD = HEADS / "stories260K_dflash_tvd"  # configs/dflash_tvd.py: fine-tuned on the TVD objective
+TVD_B8_HEAD = HEADS / "stories260K_dflash_tvd_b8"  # configs/dflash_tvd_b8.py: that head on blocks of 8
 # (head folder or None for the drafter's default, its training run under checkpoints/)
 RUNS = {
     "dflash": "dflash_stories260K",
     "dflash_l1": "dflash_l1_stories260K",
     "dflash_greedy": "dflash_greedy_stories260K",
     "dflash_tvd": "dflash_tvd_stories260K",
+    "dflash_tvd_b8": "dflash_tvd_b8_stories260K",
     "eagle3": "eagle3_stories260K",
     "eagle3_parallel": "eagle3_parallel_stories260K",
 }
@@ -61,6 +64,20 @@ def methods(quick: bool) -> list[harness.Row]:
             reg("dflash", "chain 7, L=2, TVD head", "dflash", 7, **whole, **tvd),
             reg("dflash", "chain 15, L=2, TVD head", "dflash", 15, **whole, **tvd),
             reg("dflash", "L=2, TVD head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **tvd),
+        ),
+        *present(
+            TVD_B8_HEAD,
+            reg(
+                "dflash", "chain 7, L=2, TVD head of block 8", "dflash", 7, **whole, heads=str(TVD_B8_HEAD)
+            ),
+            reg(
+                "dflash",
+                "L=2, TVD head of block 8, dynamic 8,6,48",
+                "dflash",
+                6,
+                "dynamic:8,6,48",
+                heads=str(TVD_B8_HEAD),
+            ),
         ),
         *present(
             l1, *(reg("dflash", f"chain {k}, L=1", "dflash", k, heads=str(l1), **whole) for k in (3, 7, 15))
@@ -103,15 +120,22 @@ def sharpened(quick: bool) -> list[harness.Row]:
 
 
 def greedy_rows(quick: bool) -> list[harness.Row]:
-    """DFlash's chains of 7 and 15 and the dynamic tree with the head trained for greedy decoding
-    (configs/dflash_greedy.py), where this checkout has it: rows of T = 0 only."""
+    """Rows of T = 0 only: DFlash's chains of 7 and 15 and its dynamic trees with the head trained for greedy
+    decoding (configs/dflash_greedy.py), where this checkout has it, and EAGLE-3's deeper trees beside them."""
     if quick or not GREEDY_HEAD.exists():
         return []
     reg, head = harness.registered, {"heads": str(GREEDY_HEAD)}
+    # (depth, tree): the block's 15 positions reach deeper than EAGLE-2's 6
+    deeper = ((8, "dynamic:8,8,48"), (10, "dynamic:10,10,64"))
     return [
         reg("dflash", "chain 7, L=2, greedy head", "dflash", 7, confidence=False, **head),
         reg("dflash", "chain 15, L=2, greedy head", "dflash", 15, confidence=False, **head),
         reg("dflash", "L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
+        *(
+            reg("dflash", f"L=2, greedy head, {t.replace(':', ' ')}", "dflash", d, t, **head)
+            for d, t in deeper
+        ),
+        *(reg("eagle3", t.replace(":", " "), "eagle3", d, t) for d, t in deeper),
     ]
 
 
@@ -220,7 +244,8 @@ def tables(out: harness.Writer, quick: bool, target, categories: dict) -> None:
 
 def speed(out: harness.Writer, repeats: int) -> None:
     """dflash_memory_bound_*: the drafters on the memory-bound target (`bench_memory_bound`), T = 0 and 1; then
-    EAGLE-3 against DFlash with the greedy head at T = 0 and with the TVD head at T = 1, where committed."""
+    EAGLE-3 against DFlash with the greedy head at T = 0 and with the TVD heads (blocks of 16 and 8) at T = 1, where
+    committed."""
     from experiments import bench_memory_bound as bench
 
     settings = bench.Settings(
@@ -241,8 +266,14 @@ def speed(out: harness.Writer, repeats: int) -> None:
         name="dflash_memory_bound",
     )
     bench.run(settings, out.folder)
-    for head, name, t in ((GREEDY_HEAD, "dflash_greedy", 0.0), (TVD_HEAD, "dflash_tvd", 1.0)):
+    runs = (
+        (GREEDY_HEAD, "dflash_greedy", 0.0),
+        (TVD_HEAD, "dflash_tvd", 1.0),
+        (TVD_B8_HEAD, "dflash_tvd_b8", 1.0),
+    )
+    for head, name, t in runs:
         if head.exists():
             kinds = ("eagle3 chain", "dflash chain", "dflash dynamic")
-            own = dict(temperatures=(t,), dflash_blocks=(8, 16), dflash_head=head.name, kinds=kinds)
+            blocks = (8,) if head == TVD_B8_HEAD else (8, 16)  # chains of 7 (and 15)
+            own = dict(temperatures=(t,), dflash_blocks=blocks, dflash_head=head.name, kinds=kinds)
             bench.run(dataclasses.replace(settings, name=f"{name}_memory_bound", **own), out.folder)

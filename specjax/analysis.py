@@ -21,9 +21,8 @@ def tokens_per_round_distributions(alpha_K):
     """[K, K + 2] P(a round drafting k tokens emits j tokens (accepted drafts + 1)), k = 1..K by row, j = 0..K + 1,
     position i accepted with probability alpha[i] given all before it were. Traceable."""
     k_max = alpha_K.shape[0]
-    reach = jnp.concatenate(
-        [jnp.ones(1, alpha_K.dtype), jnp.cumprod(alpha_K)]
-    )  # P(at least i accepted), i=0..K
+    # P(at least i accepted), i = 0..K
+    reach = jnp.concatenate([jnp.ones(1, alpha_K.dtype), jnp.cumprod(alpha_K)])
     j = jnp.arange(k_max + 2)[None]
     k = jnp.arange(1, k_max + 1)[:, None]
     at = lambda i: reach[jnp.clip(i, 0, k_max)]
@@ -59,7 +58,7 @@ def _rounds_near_the_end(tokens_J, remaining_B, window: int):
     # reaching the window absorbs: a count past it is done for every row the window describes
     step = step.at[:, window].set(1.0 - step[:, :window].sum(1))
     start = (s == 0).astype(tokens_J.dtype)
-    after = lambda d, _: (d @ step, d)
+    after = lambda d, _: (jnp.matmul(d, step, precision=jax.lax.Precision.HIGHEST), d)  # float32 everywhere
     _, counts_RS = jax.lax.scan(after, start, length=window)  # rows r = 0..window - 1: r rounds' counts
     done_RM = jnp.cumsum(counts_RS[:, ::-1], 1)[:, ::-1]  # P(at least m tokens after r rounds)
     m = jnp.clip(remaining_B, 0, window).astype(jnp.int32)

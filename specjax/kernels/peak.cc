@@ -20,6 +20,9 @@ static float chains(int64_t iterations, float a_value, float b_value) {
   vec acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = b * static_cast<float>(i);
   for (int64_t n = 0; n < iterations; ++n) {
+    // unrolled, so that the chains stay in registers (GCC left AVX-512's 28 in memory: 119 GFLOP/s on a Zen 4 EPYC
+    // whose matrix products reach 186)
+#pragma GCC unroll 32
     for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * a + b;
   }
   float sum = 0.0f;

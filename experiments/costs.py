@@ -14,7 +14,7 @@ import numpy as np
 
 from experiments import harness
 from specjax.analysis import expected_batch_rounds, tokens_per_round
-from specjax.models.llama import causal_mask, forward, init_cache, multi_row_layout
+from specjax.models.llama import causal_mask, forward, init_cache, multi_row_layout, uses_multi_row_layout
 
 CURVE_CACHE = 192  # slots of the cache a timed pass sees, half of them committed
 
@@ -78,10 +78,9 @@ def per_call_seconds(
 
 
 def as_decoded(rows: int, plain, multi_row):
-    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: on one CPU, linear
-    layers stored [out, in] for one row, laid out for several rows (`multi_row`) for several; elsewhere always
-    [out, in]."""
-    return plain if rows == 1 or jax.default_backend() != "cpu" else multi_row
+    """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: `multi_row` where
+    `specjax.models.llama.uses_multi_row_layout`, else `plain` ([out, in])."""
+    return multi_row if uses_multi_row_layout(rows > 1) else plain
 
 
 def on_cpu_multi_row(graphdef, params):

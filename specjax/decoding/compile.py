@@ -13,7 +13,7 @@ from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_specul
 from specjax.decoding.speculative import measure, speculative_compiled, split
 from specjax.errors import DecodingError
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import multi_row_layout
+from specjax.models.llama import multi_row_layout, uses_multi_row_layout
 
 
 def compile_decode(
@@ -29,9 +29,10 @@ def compile_decode(
 ):
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
     device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
-    `data`; the parameters are placed on it here). On one CPU, a target whose passes have several rows (a drafter,
-    or a batch) runs with its linear layers laid out for several rows (`specjax.models.llama.multi_row_layout`:
-    packed for specjax's CPU kernel, or stored [in, out]; a second copy of its matrices, held while `run` lives).
+    `data`; the parameters are placed on it here). On one CPU, the target runs with its linear layers packed for
+    specjax's CPU kernel where it is built, else stored [in, out] where its passes have several rows (a drafter, or
+    a batch) (`specjax.models.llama.multi_row_layout`, `uses_multi_row_layout`; a second copy of its matrices, held
+    while `run` lives).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""
@@ -40,8 +41,8 @@ def compile_decode(
             "adaptive K chooses draft lengths: give a drafter, or a spec without adaptive_k"
         )
     on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-    if mesh is None and jax.default_backend() == "cpu" and (drafter is not None or len(prompts) > 1):
-        graphdef, params = multi_row_layout(graphdef, params)  # the target's passes have several rows
+    if mesh is None and uses_multi_row_layout(drafter is not None or len(prompts) > 1):
+        graphdef, params = multi_row_layout(graphdef, params)
     if mesh is not None:
         params = sharding.place_target(mesh, cfg, params, len(prompts))
         drafter_params = sharding.place_drafter(mesh, drafter_params)

@@ -31,7 +31,7 @@ from specjax.decoding.speculative import (
 )
 from specjax.drafting.protocol import feature_taps
 from specjax.errors import DecodingError
-from specjax.models.llama import causal_mask, forward, multi_row_layout
+from specjax.models.llama import causal_mask, forward, multi_row_layout, uses_multi_row_layout
 
 
 @struct.dataclass
@@ -417,9 +417,9 @@ def compile_serve(
     drafter_params=None,
 ):
     """`serve` compiled ahead of time for the count and padded width of `prompts`: (`run(prompts, seed, budgets)`,
-    compile seconds). On one CPU the target's passes have several rows: its matrices are laid out for them
-    (`specjax.models.llama.multi_row_layout`, as `compile_decode` does)."""
-    if jax.default_backend() == "cpu" and (drafter is not None or min(slots, len(prompts)) > 1):
+    compile seconds). On one CPU its matrices are laid out as `compile_decode` lays them out
+    (`specjax.models.llama.uses_multi_row_layout`)."""
+    if uses_multi_row_layout(drafter is not None or min(slots, len(prompts)) > 1):
         graphdef, params = multi_row_layout(graphdef, params)
     fn, static, arrays, prep, slots = job(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params

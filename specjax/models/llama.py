@@ -150,6 +150,13 @@ def multi_row_layout(graphdef, params):
     )
 
 
+def uses_multi_row_layout(several_rows: bool) -> bool:
+    """Whether decoding lays the model out with `multi_row_layout`: on the CPU for passes of several rows, and for
+    one row too where specjax's kernels are built (their product streams a packed matrix once, one row included:
+    0.81 of XLA's one-row pass of the expanded stories260K on a Zen 4 EPYC, `docs/benchmarks.md`)."""
+    return jax.default_backend() == "cpu" and (several_rows or kernels.available())
+
+
 # XLA CPU runs a plain matrix-vector product, and a matrix product of a few rows, on one thread, but the entries
 # of a batched product on several. Up to GEMV_ROWS rows (batch x tokens) a linear layer is fastest as one
 # blocked matrix-vector product per row (a second one re-reads the layer's matrix from L3, where YNNPACK's GEMM

@@ -159,3 +159,26 @@ def test_multiply_add_peak_counts_the_work_it_times():
     short, long = (kernels.fma_peak_gflops(1, n, runs=3) for n in (1_000_000, 8_000_000))
     assert 0.5 < long / short < 2
     assert 0 < long < lanes * 2 * 2 * 6.0
+
+
+@built
+def test_one_row_decoding_runs_the_packed_product(monkeypatch):
+    """AR at batch 1 runs the model packed for the kernel, as the verify passes do (XLA's [out, in] one-row pass took
+    1.23x the packed one on a Zen 4 EPYC), and decodes the tokens the [out, in] model decodes."""
+    from conftest import TINY
+
+    from specjax.decoding import GenerateSpec, compile_decode
+    from specjax.decoding import compile as compile_module
+    from specjax.models.llama import init_params
+
+    graphdef, params = init_params(TINY, seed=3)
+    prompts, spec = [[5, 17, 42, 8]], GenerateSpec(12, eos_id=None)
+    laid_out = []
+    layout = compile_module.multi_row_layout
+    monkeypatch.setattr(compile_module, "multi_row_layout", lambda g, p: laid_out.append(1) or layout(g, p))
+    packed = compile_decode(TINY, graphdef, params, prompts, spec)[0](prompts).tokens
+    assert laid_out == [1]
+    monkeypatch.setattr(compile_module, "uses_multi_row_layout", lambda several_rows: several_rows)
+    plain = compile_decode(TINY, graphdef, params, prompts, spec)[0](prompts).tokens
+    assert laid_out == [1]
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(plain))

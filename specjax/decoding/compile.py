@@ -29,10 +29,9 @@ def compile_decode(
 ):
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
     device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
-    `data`; the parameters are placed on it here). On one CPU, the target runs with its linear layers packed for
-    specjax's CPU kernel where it is built, else stored [in, out] where its passes have several rows (a drafter, or
-    a batch) (`specjax.models.llama.multi_row_layout`, `uses_multi_row_layout`; a second copy of its matrices, held
-    while `run` lives).
+    `data`; the parameters are placed on it here). On one CPU the target's linear layers are packed for specjax's
+    CPU kernel where it is built; without it, passes of several rows (a drafter, or a batch) read them stored
+    [in, out] (`specjax.models.llama.uses_multi_row_layout`; a second copy of the matrices, held while `run` lives).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""

@@ -28,6 +28,7 @@ from specjax.decoding.speculative import (
     plain_or_drafted,
     plain_round,
     speculative_round,
+    when,
 )
 from specjax.drafting.protocol import feature_taps
 from specjax.errors import DecodingError
@@ -80,15 +81,14 @@ def put_row(full, row, slot, batch: int):
 def refill(state, done_B, queue: Queue, new_row, place):
     """Starts the next waiting prompt in every finished slot (`done_B`), one slot at a time. For a slot that takes
     one, `new_row(prompt)` -> (the prompt's row of state, its first token) and `place(state, slot, row, first,
-    prompt)` writes it, in a `lax.while_loop` of at most one trip: the state is updated in place and a slot that
-    takes nothing costs nothing. (Through a `lax.cond`'s branches XLA has copied the caches, see
-    `speculative.adaptive_rounds`; writing every slot's row back each round, taken or not, read and wrote all of them:
-    AR rounds at batch 8 of the expanded stories260K cost 1.10x decoding's steps.) Returns (state, queue)."""
+    prompt)` writes it (`speculative.when`: in place), and a slot that takes nothing costs nothing (writing every
+    slot's row back each round, taken or not, read and wrote all the caches: AR rounds at batch 8 of the expanded
+    stories260K cost 1.10x decoding's steps). Returns (state, queue)."""
     n = queue.n_out_N.shape[0]
 
     def each(b, carry):
         def start(c):
-            (state, queue), _ = c
+            state, queue = c
             prompt = queue.next
             row, first = new_row(prompt)
             queue = queue.replace(
@@ -98,10 +98,9 @@ def refill(state, done_B, queue: Queue, new_row, place):
                 n_out_N=queue.n_out_N.at[prompt].set(1),
                 end_N=queue.end_N.at[prompt].set(queue.rounds),
             )
-            return (place(state, b, row, first, prompt), queue), jnp.bool_(False)
+            return place(state, b, row, first, prompt), queue
 
-        take = done_B[b] & (carry[1].next < n)
-        return jax.lax.while_loop(lambda c: c[1], start, (carry, take))[0]
+        return when(done_B[b] & (carry[1].next < n), start, carry)
 
     return jax.lax.fori_loop(0, queue.request_B.shape[0], each, (state, queue))
 

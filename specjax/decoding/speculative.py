@@ -246,12 +246,16 @@ def chosen_round(graphdef, params, drafter, drafter_params, spec, loop: LoopStat
     ran = jnp.bool_(False)
     for i, k in enumerate(spec.adaptive_k.ks):
         one = round_at(graphdef, params, drafter, drafter_params, spec, k)
-        loop, ran = jax.lax.while_loop(
-            lambda c, i=i: ~c[1] & (spec.adaptive_k.choose(c[0].estimate) == i),
-            lambda c, one=one: (one(c[0], limit_B, keys, backlog=backlog), jnp.bool_(True)),
-            (loop, ran),
-        )
+        chosen = ~ran & (spec.adaptive_k.choose(loop.estimate) == i)
+        loop = when(chosen, lambda lp, one=one: one(lp, limit_B, keys, backlog=backlog), loop)
+        ran = ran | chosen
     return loop
+
+
+def when(pred, fn, carry):
+    """`fn(carry)` where `pred` (traced) holds, else `carry`, as a `lax.while_loop` of at most one trip: it updates
+    the carry in place, where XLA copied the caches into a `lax.cond`'s branches (see `adaptive_rounds`)."""
+    return jax.lax.while_loop(lambda c: c[1], lambda c: (fn(c[0]), jnp.bool_(False)), (carry, pred))[0]
 
 
 def adaptive_rounds(

@@ -152,7 +152,7 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     g, p = costs.as_decoded(b * (k + 1), (graphdef, params), multi_row)
     for method, (drafter, dparams) in drafters.items():
         tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
-        loop = calibrate(cfg, g, p, drafter, dparams, tokens, lengths, job)
+        loop = calibrate(cfg, g, p, *costs.drafter_as_decoded(drafter, dparams), tokens, lengths, job)
         cost["loop_round", method] = loop.adaptive_k.costs[0]
     return cost
 

@@ -218,8 +218,11 @@ def head_call(loaded, method: str, target, b: int, calls: int, cache_size: int =
     """The timed loop of one call of the expanded `method` head (EAGLE or EAGLE-3) at batch b."""
     cfg, _, params = target
     meta, hgraph, hparams = loaded[method]["big"]
-    head = costs.head_step(heads.make_drafter(meta, hgraph, cfg, 1, Sampler()), cfg.dim)
-    dparams = heads.drafter_params(meta, hparams, cfg, params)
+    drafter, dparams = costs.drafter_as_decoded(
+        heads.make_drafter(meta, hgraph, cfg, 1, Sampler()),
+        heads.drafter_params(meta, hparams, cfg, params),
+    )
+    head = costs.head_step(drafter, cfg.dim)
     cache = costs.half_cache(cfg.replace(n_layers=1), b, cache_size)
     return costs.pass_loop(head, dparams, cache, b, 1, calls)
 
@@ -227,28 +230,35 @@ def head_call(loaded, method: str, target, b: int, calls: int, cache_size: int =
 def drafter_calls(settings: Settings, target, draft_model, loaded, b: int) -> dict:
     """{(method, b): timed loop of one drafter call at batch b} (DFlash: {(("dflash", B), b): one block of B}):
     the draft cost c of each row `settings.kinds` has (EAGLE's for the pilot, EAGLE-3's for the sweeps always)."""
+    from specjax.drafters.draft_model import DraftModel
+
     cfg, _, params = target
     calls, fns = settings.calls, {}
     models = {"draft model": draft_model, "distilled draft": loaded.get("distilled draft")}
     if "quantized" in settings.kinds:
         models["quantized"] = (cfg, *loaded["quantized"])
-    for kind, model in models.items():
-        if kind in settings.kinds:
-            fns[(kind, b)] = costs.target_pass(*model, b, 1, calls)
+    for kind, (dcfg, dgraph, dparams) in ((k, m) for k, m in models.items() if k in settings.kinds):
+        drafter, dparams = costs.drafter_as_decoded(DraftModel(dcfg, dgraph, 1), dparams)
+        fns[(kind, b)] = costs.target_pass(dcfg, drafter.graphdef, dparams, b, 1, calls)
     for method in ("eagle", "eagle3"):
         fns[(method, b)] = head_call(loaded, method, target, b, calls)
     if "dflash" in loaded:  # one call drafts a block: its cost per block size
         meta, hgraph, hparams = loaded["dflash"]["big"]
-        dparams = heads.drafter_params(meta, hparams, cfg, params)
         for size in settings.dflash_blocks:
-            drafter = heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler())
+            drafter, dparams = costs.drafter_as_decoded(
+                heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler()),
+                heads.drafter_params(meta, hparams, cfg, params),
+            )
             cache = costs.half_cache(drafter.draft_cfg, b)
             fns[(("dflash", size), b)] = costs.pass_loop(
                 costs.dflash_step(drafter), dparams, cache, b, size, calls
             )
     if any(kind.startswith("medusa") for kind in settings.kinds):
-        _, mgraph, mparams = loaded["medusa"]["big"]
-        fns[("medusa", b)] = costs.medusa_loop(mgraph, mparams, b, cfg.dim, calls)
+        meta, mgraph, mparams = loaded["medusa"]["big"]
+        medusa, mparams = costs.drafter_as_decoded(
+            heads.make_drafter(meta, mgraph, cfg, 1, Sampler()), mparams
+        )
+        fns[("medusa", b)] = costs.medusa_loop(medusa.graphdef, mparams, b, cfg.dim, calls)
     return fns
 
 

@@ -182,3 +182,37 @@ def test_one_row_decoding_runs_the_packed_product(monkeypatch):
     plain = compile_decode(TINY, graphdef, params, prompts, spec)[0](prompts).tokens
     assert laid_out == [1]
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(plain))
+
+
+@built
+def test_a_drafters_layers_run_packed_as_the_targets():
+    """`decoding_layout` packs a drafter's own linear layers as it packs the target's: a DFlash head's (its
+    params["head"]) and a draft model's (its params). The packed DFlash job decodes AR's greedy tokens, and params
+    handed to its `run` later (the plain ones here) are laid out as the compiled ones were: the same tokens."""
+    from types import SimpleNamespace
+
+    from conftest import TINY
+    from flax import nnx
+
+    from specjax.decoding import GenerateSpec, compile_decode
+    from specjax.decoding.compile import decoding_layout
+    from specjax.drafters.dflash import tiny_example
+    from specjax.drafters.draft_model import DraftModel
+    from specjax.models.llama import PackedLinear, init_params
+    from specjax.sampling import Sampler
+
+    graphdef, params = init_params(TINY, seed=3)
+    dflash, dparams = tiny_example(SimpleNamespace(cfg=TINY, params=params), 3, None, Sampler(0.0))
+    draft = DraftModel(TINY, graphdef, 2)
+    packed = lambda g, w: sum(type(node) is PackedLinear for _, node in nnx.iter_graph(nnx.merge(g, w)))
+    for drafter, own, weights in ((dflash, dparams, lambda p: p["head"]), (draft, params, lambda p: p)):
+        *_, laid, laid_params = decoding_layout(graphdef, params, drafter, own, False)
+        assert packed(drafter.graphdef, weights(own)) == 0 < packed(laid.graphdef, weights(laid_params))
+    assert (
+        laid_params is not params and packed(graphdef, params) == 0
+    )  # copies: the given ones are unchanged
+    prompts, spec = [[5, 17, 42, 8], [3, 9]], GenerateSpec(12, eos_id=None)
+    ar = compile_decode(TINY, graphdef, params, prompts, spec)[0](prompts).tokens
+    run = compile_decode(TINY, graphdef, params, prompts, spec, dflash, dparams)[0]
+    np.testing.assert_array_equal(np.asarray(run(prompts).tokens), np.asarray(ar))
+    np.testing.assert_array_equal(np.asarray(run(prompts, drafter_params=dparams).tokens), np.asarray(ar))

@@ -11,9 +11,19 @@ from specjax import sharding
 from specjax.decoding.autoregressive import generate_compiled
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.speculative import measure, speculative_compiled, split
+from specjax.drafting.protocol import laid_out
 from specjax.errors import DecodingError
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import multi_row_layout, uses_multi_row_layout
+
+
+def decoding_layout(graphdef, params, drafter, drafter_params, several_rows: bool):
+    """(graphdef, params, drafter, drafter_params) as decoding on one device runs them: the target's and the
+    drafter's linear layers by `multi_row_layout` where `uses_multi_row_layout` (a drafter's job always: its rounds
+    verify several tokens), else as they are."""
+    if not uses_multi_row_layout(drafter is not None or several_rows):
+        return graphdef, params, drafter, drafter_params
+    return *multi_row_layout(graphdef, params), *laid_out(drafter, drafter_params, multi_row_layout)
 
 
 def compile_decode(
@@ -29,9 +39,9 @@ def compile_decode(
 ):
     """Compiles AR decoding (no drafter) or speculative decoding ahead of time for the shape of `prompts`, on one
     device or split over `mesh` (`specjax.sharding`: the target Megatron style over `model`, the batch over
-    `data`; the parameters are placed on it here). On one CPU the target's linear layers are packed for specjax's
-    CPU kernel where it is built; without it, passes of several rows (a drafter, or a batch) read them stored
-    [in, out] (`specjax.models.llama.uses_multi_row_layout`; a second copy of the matrices, held while `run` lives).
+    `data`; the parameters are placed on it here). On one CPU the target's and the drafter's linear layers are
+    packed for specjax's CPU kernel where it is built; without it, passes of several rows (a drafter, or a batch)
+    read them stored [in, out] (`decoding_layout`; a second copy of the matrices, held while `run` lives).
 
     Returns (`run(prompts, seed)`, compile seconds); `run` takes any batch of the same size and padded
     width."""
@@ -40,9 +50,12 @@ def compile_decode(
             "adaptive K chooses draft lengths: give a drafter, or a spec without adaptive_k"
         )
     on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-    if mesh is None and uses_multi_row_layout(drafter is not None or len(prompts) > 1):
-        graphdef, params = multi_row_layout(graphdef, params)
-    if mesh is not None:
+    given = drafter
+    if mesh is None:
+        graphdef, params, drafter, drafter_params = decoding_layout(
+            graphdef, params, drafter, drafter_params, len(prompts) > 1
+        )
+    else:
         params = sharding.place_target(mesh, cfg, params, len(prompts))
         drafter_params = sharding.place_drafter(mesh, drafter_params)
     if drafter is None:
@@ -77,15 +90,18 @@ def compile_decode(
             dynamic["measured"] = adaptive.measured()
     compile_s = time.perf_counter() - start
 
+    def as_compiled(dparams):  # other drafter params, laid out or placed as the compiled ones
+        if mesh is not None:
+            return sharding.place_drafter(mesh, dparams)
+        return dparams if drafter is given else laid_out(given, dparams, multi_row_layout)[1]
+
     def run(prompts: list[list[int]], seed: int = 0, drafter_params=None):
         """The job on `prompts`; `drafter_params` of the same shapes replace the compiled ones (a store that
         learns from earlier outputs)."""
         tokens, lengths = batch(prompts)[:2]
         args = dict(dynamic)
         if drafter_params is not None:
-            args["drafter_params"] = (
-                drafter_params if mesh is None else sharding.place_drafter(mesh, drafter_params)
-            )
+            args["drafter_params"] = as_compiled(drafter_params)
         return compiled(**args, tokens_BP=tokens, lengths_B=lengths, key=job_key(seed))
 
     return run, compile_s

@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from specjax import precision
+from specjax.decoding.compile import decoding_layout
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare, prepare_speculative
 from specjax.decoding.prefill import prefill
 from specjax.decoding.speculative import (
@@ -32,7 +33,7 @@ from specjax.decoding.speculative import (
 )
 from specjax.drafting.protocol import feature_taps
 from specjax.errors import DecodingError
-from specjax.models.llama import causal_mask, forward, multi_row_layout, uses_multi_row_layout
+from specjax.models.llama import causal_mask, forward
 
 
 @struct.dataclass
@@ -412,10 +413,10 @@ def compile_serve(
     drafter_params=None,
 ):
     """`serve` compiled ahead of time for the count and padded width of `prompts`: (`run(prompts, seed, budgets)`,
-    compile seconds). On one CPU its matrices are laid out as `compile_decode` lays them out
-    (`specjax.models.llama.uses_multi_row_layout`)."""
-    if uses_multi_row_layout(drafter is not None or min(slots, len(prompts)) > 1):
-        graphdef, params = multi_row_layout(graphdef, params)
+    compile seconds). On one CPU its matrices are laid out as `compile_decode` lays them out (`decoding_layout`)."""
+    graphdef, params, drafter, drafter_params = decoding_layout(
+        graphdef, params, drafter, drafter_params, min(slots, len(prompts)) > 1
+    )
     fn, static, arrays, prep, slots = job(
         cfg, graphdef, params, spec, slots, len(prompts), drafter, drafter_params
     )

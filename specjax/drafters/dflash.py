@@ -257,6 +257,9 @@ class DFlash(KOrTree):
     distributions, static trees from their top-k, or dynamic trees (EAGLE-2's search over them), each
     position tilted by a Markov head's bias from its parent's token where the head has one."""
 
+    weights_key: ClassVar[str] = (
+        "head"  # params: the head's weights beside the target's embedding and LM head
+    )
     draft_cfg: LlamaConfig
     graphdef: object
     k: int

@@ -98,6 +98,9 @@ class Eagle(KOrTree):
     k: int
     sampler: Sampler = Sampler()
     tree: Tree | DynamicTree | None = None
+    weights_key: ClassVar[str] = (
+        "head"  # params: the head's weights beside the target's embedding and LM head
+    )
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.layer_cfg

@@ -53,6 +53,8 @@ class Drafter(Protocol):
     # the verification pass overwrites); layer-skip drafting reads the target's keys/values so (`propose` below).
     # Optional: `absorb(params, sequences) -> params`, on the host between jobs: the params after learning from
     # finished sequences (token lists, prompt and output), same shapes (the suffix store); runs call it per batch.
+    # Optional: `weights_key`, a class attribute: a drafter whose `graphdef` describes `params[weights_key]` (its own
+    # weights beside the target's frozen arrays) rather than `params` itself (`laid_out` below).
     # Optional, for adaptive draft length (`specjax.decoding.adaptive`): `with_k(k)` -> this drafter drafting
     # chains of k tokens, able to take over the state of the drafter built for the largest K (whose `init`
     # made it); `path_BD` and `feats_BDH` then come padded to that largest K, and the round before may have
@@ -80,6 +82,20 @@ def propose(drafter, params, state, seq_BS, n_tokens_B, key, target_cache):
     if getattr(drafter, "reads_target_cache", False):
         return drafter.propose(params, state, seq_BS, n_tokens_B, key, target_cache=target_cache)
     return (*drafter.propose(params, state, seq_BS, n_tokens_B, key), target_cache)
+
+
+def laid_out(drafter, params, layout):
+    """(drafter, params) with the drafter's own weights laid out by `layout(graphdef, weights) -> (graphdef,
+    weights)`, the same function (`specjax.models.llama.multi_row_layout`): the module of its `graphdef`, whose
+    weights are `params` or `params[drafter.weights_key]`. Drafters without a `graphdef` come back as they are."""
+    graphdef = getattr(drafter, "graphdef", None)
+    if graphdef is None:
+        return drafter, params
+    key = getattr(drafter, "weights_key", None)
+    graphdef, weights = layout(graphdef, params if key is None else params[key])
+    return dataclasses.replace(drafter, graphdef=graphdef), weights if key is None else params | {
+        key: weights
+    }
 
 
 def feature_taps(drafter) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from absl import flags, logging
 
 from experiments import costs, harness
 from specjax import analysis, cli, expand
+from specjax.decoding.compile import drafter_layout
 from specjax.sampling import Sampler
 
 
@@ -152,7 +153,7 @@ def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, draft
     g, p = costs.as_decoded(b * (k + 1), (graphdef, params), multi_row)
     for method, (drafter, dparams) in drafters.items():
         tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
-        loop = calibrate(cfg, g, p, *costs.drafter_as_decoded(drafter, dparams), tokens, lengths, job)
+        loop = calibrate(cfg, g, p, *drafter_layout(drafter, dparams), tokens, lengths, job)
         cost["loop_round", method] = loop.adaptive_k.costs[0]
     return cost
 

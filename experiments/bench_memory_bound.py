@@ -51,6 +51,7 @@ from absl import flags, logging
 from experiments import common, costs, harness
 from specjax import cli, expand, heads, kernels
 from specjax.analysis import batch_speedup, expected_batch_rounds, expected_tokens_per_round
+from specjax.decoding.compile import drafter_layout
 from specjax.drafting.trees import DynamicTree, medusa_like
 from specjax.models.loading import load_model
 from specjax.sampling import Sampler
@@ -218,7 +219,7 @@ def head_call(loaded, method: str, target, b: int, calls: int, cache_size: int =
     """The timed loop of one call of the expanded `method` head (EAGLE or EAGLE-3) at batch b."""
     cfg, _, params = target
     meta, hgraph, hparams = loaded[method]["big"]
-    drafter, dparams = costs.drafter_as_decoded(
+    drafter, dparams = drafter_layout(
         heads.make_drafter(meta, hgraph, cfg, 1, Sampler()),
         heads.drafter_params(meta, hparams, cfg, params),
     )
@@ -238,14 +239,14 @@ def drafter_calls(settings: Settings, target, draft_model, loaded, b: int) -> di
     if "quantized" in settings.kinds:
         models["quantized"] = (cfg, *loaded["quantized"])
     for kind, (dcfg, dgraph, dparams) in ((k, m) for k, m in models.items() if k in settings.kinds):
-        drafter, dparams = costs.drafter_as_decoded(DraftModel(dcfg, dgraph, 1), dparams)
+        drafter, dparams = drafter_layout(DraftModel(dcfg, dgraph, 1), dparams)
         fns[(kind, b)] = costs.target_pass(dcfg, drafter.graphdef, dparams, b, 1, calls)
     for method in ("eagle", "eagle3"):
         fns[(method, b)] = head_call(loaded, method, target, b, calls)
     if "dflash" in loaded:  # one call drafts a block: its cost per block size
         meta, hgraph, hparams = loaded["dflash"]["big"]
         for size in settings.dflash_blocks:
-            drafter, dparams = costs.drafter_as_decoded(
+            drafter, dparams = drafter_layout(
                 heads.make_drafter(meta, hgraph, cfg, size - 1, Sampler()),
                 heads.drafter_params(meta, hparams, cfg, params),
             )
@@ -255,9 +256,7 @@ def drafter_calls(settings: Settings, target, draft_model, loaded, b: int) -> di
             )
     if any(kind.startswith("medusa") for kind in settings.kinds):
         meta, mgraph, mparams = loaded["medusa"]["big"]
-        medusa, mparams = costs.drafter_as_decoded(
-            heads.make_drafter(meta, mgraph, cfg, 1, Sampler()), mparams
-        )
+        medusa, mparams = drafter_layout(heads.make_drafter(meta, mgraph, cfg, 1, Sampler()), mparams)
         fns[("medusa", b)] = costs.medusa_loop(medusa.graphdef, mparams, b, cfg.dim, calls)
     return fns
 

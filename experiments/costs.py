@@ -14,7 +14,6 @@ import numpy as np
 
 from experiments import harness
 from specjax.analysis import expected_batch_rounds, tokens_per_round
-from specjax.drafting.protocol import laid_out
 from specjax.models.llama import causal_mask, forward, init_cache, multi_row_layout, uses_multi_row_layout
 
 CURVE_CACHE = 192  # slots of the cache a timed pass sees, half of them committed
@@ -82,12 +81,6 @@ def as_decoded(rows: int, plain, multi_row):
     """The target's (graphdef, params) for a pass of `rows` rows as `compile_decode` runs it: `multi_row` where
     `specjax.models.llama.uses_multi_row_layout`, else `plain` ([out, in])."""
     return multi_row if uses_multi_row_layout(rows > 1) else plain
-
-
-def drafter_as_decoded(drafter, params):
-    """(drafter, params) with its own linear layers laid out as decoding runs a drafter's job
-    (`specjax.decoding.compile.decoding_layout`)."""
-    return laid_out(drafter, params, multi_row_layout) if uses_multi_row_layout(True) else (drafter, params)
 
 
 def on_cpu_multi_row(graphdef, params):

@@ -18,12 +18,20 @@ from specjax.models.llama import multi_row_layout, uses_multi_row_layout
 
 
 def decoding_layout(graphdef, params, drafter, drafter_params, several_rows: bool):
-    """(graphdef, params, drafter, drafter_params) as decoding on one device runs them: the target's and the
-    drafter's linear layers by `multi_row_layout` where `uses_multi_row_layout` (a drafter's job always: its rounds
-    verify several tokens), else as they are."""
-    if not uses_multi_row_layout(drafter is not None or several_rows):
-        return graphdef, params, drafter, drafter_params
-    return *multi_row_layout(graphdef, params), *laid_out(drafter, drafter_params, multi_row_layout)
+    """(graphdef, params, drafter, drafter_params) as decoding on one device runs them: the target's linear layers
+    by `multi_row_layout` where `uses_multi_row_layout` (a drafter's job always: its rounds verify several tokens),
+    the drafter's as `drafter_layout` lays them out."""
+    if uses_multi_row_layout(drafter is not None or several_rows):
+        graphdef, params = multi_row_layout(graphdef, params)
+    return graphdef, params, *drafter_layout(drafter, drafter_params)
+
+
+def drafter_layout(drafter, drafter_params):
+    """(drafter, drafter_params) with the drafter's own linear layers laid out by `multi_row_layout` where a
+    drafter's job lays out the target's (`laid_out`; drafters without weights of their own as they are)."""
+    if drafter is None or not uses_multi_row_layout(True):
+        return drafter, drafter_params
+    return laid_out(drafter, drafter_params, multi_row_layout)
 
 
 def compile_decode(
@@ -50,7 +58,7 @@ def compile_decode(
             "adaptive K chooses draft lengths: give a drafter, or a spec without adaptive_k"
         )
     on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-    given = drafter
+    given = drafter  # `run` lays other params out as this one's
     if mesh is None:
         graphdef, params, drafter, drafter_params = decoding_layout(
             graphdef, params, drafter, drafter_params, len(prompts) > 1
@@ -93,7 +101,7 @@ def compile_decode(
     def as_compiled(dparams):  # other drafter params, laid out or placed as the compiled ones
         if mesh is not None:
             return sharding.place_drafter(mesh, dparams)
-        return dparams if drafter is given else laid_out(given, dparams, multi_row_layout)[1]
+        return drafter_layout(given, dparams)[1]
 
     def run(prompts: list[list[int]], seed: int = 0, drafter_params=None):
         """The job on `prompts`; `drafter_params` of the same shapes replace the compiled ones (a store that

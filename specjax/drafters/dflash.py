@@ -257,9 +257,7 @@ class DFlash(KOrTree):
     distributions, static trees from their top-k, or dynamic trees (EAGLE-2's search over them), each
     position tilted by a Markov head's bias from its parent's token where the head has one."""
 
-    weights_key: ClassVar[str] = (
-        "head"  # params: the head's weights beside the target's embedding and LM head
-    )
+    weights_key: ClassVar[str] = "head"  # its params: the head's weights beside the target's frozen arrays
     draft_cfg: LlamaConfig
     graphdef: object
     k: int

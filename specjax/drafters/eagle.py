@@ -98,9 +98,7 @@ class Eagle(KOrTree):
     k: int
     sampler: Sampler = Sampler()
     tree: Tree | DynamicTree | None = None
-    weights_key: ClassVar[str] = (
-        "head"  # params: the head's weights beside the target's embedding and LM head
-    )
+    weights_key: ClassVar[str] = "head"  # its params: the head's weights beside the target's frozen arrays
 
     def validate(self, target_cfg: LlamaConfig) -> None:
         mine = self.layer_cfg

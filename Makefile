@@ -71,8 +71,8 @@ tables: $(VENV)/.tables kernels
 bench-memory: $(VENV)/.base kernels
 	$(PY) -m experiments.bench_memory_bound
 
-# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, greedy head and TVD
-# fine-tunes (from heads/stories260K_dflash, then on blocks of 8), the parallel EAGLE-3 head and the distilled
+# Trains the default Medusa, EAGLE, EAGLE-3 and DFlash heads, DFlash's one-layer ablation, its greedy head and TVD
+# fine-tune (from heads/stories260K_dflash), each then on blocks of 8, the parallel EAGLE-3 head and the distilled
 # draft model on stories260K into heads/.
 heads: $(VENV)/.base
 	test -d checkpoints/stories260K || $(PY) -m specjax.convert stories260K checkpoints/stories260K
@@ -86,6 +86,9 @@ heads: $(VENV)/.base
 	$(PY) train_heads.py --config=configs/dflash_greedy.py --workdir=checkpoints/dflash_greedy_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_greedy_stories260K', \
 	  'heads/stories260K_dflash_greedy')"
+	$(PY) train_heads.py --config=configs/dflash_greedy_b8.py --workdir=checkpoints/dflash_greedy_b8_stories260K
+	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_greedy_b8_stories260K', \
+	  'heads/stories260K_dflash_greedy_b8')"
 	$(PY) train_heads.py --config=configs/dflash_tvd.py --workdir=checkpoints/dflash_tvd_stories260K
 	$(PY) -c "from specjax import heads; heads.export('checkpoints/dflash_tvd_stories260K', \
 	  'heads/stories260K_dflash_tvd')"

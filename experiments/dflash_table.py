@@ -28,6 +28,9 @@ from specjax.sampling import Sampler
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 CHECKPOINTS = Path("checkpoints")
 GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"  # configs/dflash_greedy.py: trained for greedy decoding
+GREEDY_B8_HEAD = (
+    HEADS / "stories260K_dflash_greedy_b8"
+)  # configs/dflash_greedy_b8.py: that head on blocks of 8
 TVD_HEAD = HEADS / "stories260K_dflash_tvd"  # configs/dflash_tvd.py: fine-tuned on the TVD objective
 TVD_B8_HEAD = HEADS / "stories260K_dflash_tvd_b8"  # configs/dflash_tvd_b8.py: that head on blocks of 8
 # (head folder or None for the drafter's default, its training run under checkpoints/)
@@ -35,6 +38,7 @@ RUNS = {
     "dflash": "dflash_stories260K",
     "dflash_l1": "dflash_l1_stories260K",
     "dflash_greedy": "dflash_greedy_stories260K",
+    "dflash_greedy_b8": "dflash_greedy_b8_stories260K",
     "dflash_tvd": "dflash_tvd_stories260K",
     "dflash_tvd_b8": "dflash_tvd_b8_stories260K",
     "eagle3": "eagle3_stories260K",
@@ -131,6 +135,20 @@ def greedy_rows(quick: bool) -> list[harness.Row]:
         reg("dflash", "chain 7, L=2, greedy head", "dflash", 7, confidence=False, **head),
         reg("dflash", "chain 15, L=2, greedy head", "dflash", 15, confidence=False, **head),
         reg("dflash", "L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
+        *(
+            [
+                reg(
+                    "dflash",
+                    "chain 7, L=2, greedy head of block 8",
+                    "dflash",
+                    7,
+                    confidence=False,
+                    heads=str(b8),
+                )
+            ]
+            if (b8 := GREEDY_B8_HEAD).exists()
+            else []
+        ),
         *(
             reg("dflash", f"L=2, greedy head, {t.replace(':', ' ')}", "dflash", d, t, **head)
             for d, t in deeper
@@ -268,12 +286,13 @@ def speed(out: harness.Writer, repeats: int) -> None:
     bench.run(settings, out.folder)
     runs = (
         (GREEDY_HEAD, "dflash_greedy", 0.0),
+        (GREEDY_B8_HEAD, "dflash_greedy_b8", 0.0),
         (TVD_HEAD, "dflash_tvd", 1.0),
         (TVD_B8_HEAD, "dflash_tvd_b8", 1.0),
     )
     for head, name, t in runs:
         if head.exists():
             kinds = ("eagle3 chain", "dflash chain", "dflash dynamic")
-            blocks = (8,) if head == TVD_B8_HEAD else (8, 16)  # chains of 7 (and 15)
+            blocks = (8,) if head in (TVD_B8_HEAD, GREEDY_B8_HEAD) else (8, 16)  # chains of 7 (and 15)
             own = dict(temperatures=(t,), dflash_blocks=blocks, dflash_head=head.name, kinds=kinds)
             bench.run(dataclasses.replace(settings, name=f"{name}_memory_bound", **own), out.folder)

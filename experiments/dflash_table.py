@@ -46,6 +46,11 @@ RUNS = {
 }
 
 
+def present(path: Path, *rows: harness.Row) -> list[harness.Row]:
+    """`rows` where this checkout has the head folder `path`, else none."""
+    return list(rows) if path.exists() else []
+
+
 def methods(quick: bool) -> list[harness.Row]:
     """The table's rows (the optional heads' where this checkout has them)."""
     reg, whole = harness.registered, {"confidence": False}  # whole: verify the whole block
@@ -54,7 +59,6 @@ def methods(quick: bool) -> list[harness.Row]:
         return rows
     l1, parallel = HEADS / "stories260K_dflash_l1", HEADS / "stories260K_eagle3_parallel"
     tvd = {"heads": str(TVD_HEAD)}
-    present = lambda path, *rows: list(rows) if path.exists() else []  # rows of heads this checkout has
     sized = {"confidence": True}
     rows = [
         reg("dflash", "chain 3, L=2", "dflash", 3, **whole),
@@ -125,7 +129,8 @@ def sharpened(quick: bool) -> list[harness.Row]:
 
 def greedy_rows(quick: bool) -> list[harness.Row]:
     """Rows of T = 0 only: DFlash's chains of 7 and 15 and its dynamic trees with the head trained for greedy
-    decoding (configs/dflash_greedy.py), where this checkout has it, and EAGLE-3's deeper trees beside them."""
+    decoding (configs/dflash_greedy.py; a chain of 7 with its fine-tune on blocks of 8), where this checkout has
+    them, and EAGLE-3's deeper trees beside them."""
     if quick or not GREEDY_HEAD.exists():
         return []
     reg, head = harness.registered, {"heads": str(GREEDY_HEAD)}
@@ -135,19 +140,16 @@ def greedy_rows(quick: bool) -> list[harness.Row]:
         reg("dflash", "chain 7, L=2, greedy head", "dflash", 7, confidence=False, **head),
         reg("dflash", "chain 15, L=2, greedy head", "dflash", 15, confidence=False, **head),
         reg("dflash", "L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
-        *(
-            [
-                reg(
-                    "dflash",
-                    "chain 7, L=2, greedy head of block 8",
-                    "dflash",
-                    7,
-                    confidence=False,
-                    heads=str(b8),
-                )
-            ]
-            if (b8 := GREEDY_B8_HEAD).exists()
-            else []
+        *present(
+            GREEDY_B8_HEAD,
+            reg(
+                "dflash",
+                "chain 7, L=2, greedy head of block 8",
+                "dflash",
+                7,
+                confidence=False,
+                heads=str(GREEDY_B8_HEAD),
+            ),
         ),
         *(
             reg("dflash", f"L=2, greedy head, {t.replace(':', ' ')}", "dflash", d, t, **head)

@@ -28,9 +28,7 @@ from specjax.sampling import Sampler
 HEADS = Path(__file__).resolve().parents[1] / "heads"
 CHECKPOINTS = Path("checkpoints")
 GREEDY_HEAD = HEADS / "stories260K_dflash_greedy"  # configs/dflash_greedy.py: trained for greedy decoding
-GREEDY_B8_HEAD = (
-    HEADS / "stories260K_dflash_greedy_b8"
-)  # configs/dflash_greedy_b8.py: that head on blocks of 8
+GREEDY_B8_HEAD = HEADS / "stories260K_dflash_greedy_b8"  # configs/dflash_greedy_b8.py: on blocks of 8
 TVD_HEAD = HEADS / "stories260K_dflash_tvd"  # configs/dflash_tvd.py: fine-tuned on the TVD objective
 TVD_B8_HEAD = HEADS / "stories260K_dflash_tvd_b8"  # configs/dflash_tvd_b8.py: that head on blocks of 8
 # (head folder or None for the drafter's default, its training run under checkpoints/)
@@ -134,23 +132,14 @@ def greedy_rows(quick: bool) -> list[harness.Row]:
     if quick or not GREEDY_HEAD.exists():
         return []
     reg, head = harness.registered, {"heads": str(GREEDY_HEAD)}
+    b8 = {"heads": str(GREEDY_B8_HEAD), "confidence": False}
     # (depth, tree): the block's 15 positions reach deeper than EAGLE-2's 6
     deeper = ((8, "dynamic:8,8,48"), (10, "dynamic:10,10,64"))
     return [
         reg("dflash", "chain 7, L=2, greedy head", "dflash", 7, confidence=False, **head),
         reg("dflash", "chain 15, L=2, greedy head", "dflash", 15, confidence=False, **head),
         reg("dflash", "L=2, greedy head, dynamic 8,6,48", "dflash", 6, "dynamic:8,6,48", **head),
-        *present(
-            GREEDY_B8_HEAD,
-            reg(
-                "dflash",
-                "chain 7, L=2, greedy head of block 8",
-                "dflash",
-                7,
-                confidence=False,
-                heads=str(GREEDY_B8_HEAD),
-            ),
-        ),
+        *present(GREEDY_B8_HEAD, reg("dflash", "chain 7, L=2, greedy head of block 8", "dflash", 7, **b8)),
         *(
             reg("dflash", f"L=2, greedy head, {t.replace(':', ' ')}", "dflash", d, t, **head)
             for d, t in deeper

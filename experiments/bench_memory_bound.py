@@ -83,6 +83,7 @@ class Settings:
     expansion: expand.Expansion = expand.Expansion()
     prompts: int = 4
     new_tokens: int = 64
+    seeds: int = 1  # samples of each prompt at T > 0 (a group and a seed each): tau and speed pooled
     repeats: int = 3
     batches: tuple[int, ...] = (1, 4)
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -421,8 +422,9 @@ def run(settings: Settings, results: str | None = None) -> dict:
     title = (
         f"Expanded stories260K ({cfg.n_layers} layers x {cfg.dim}, {expand.weight_bytes(cfg) / 1e6:.0f} MB "
         f"{cfg.dtype}: synthetic cost, real distribution), {settings.prompts} prompts x {settings.new_tokens} new "
-        f"tokens, medians of {settings.repeats}; c = drafter call / 1-token target pass, v = verify pass / 1-token "
-        "pass, predicted = (new tokens - 1) / (E[rounds until the batch's slowest row ends] x (calls x c + v))"
+        f"tokens ({settings.seeds} samples of each at T > 0), medians of {settings.repeats}; c = drafter call / "
+        "1-token target pass, v = verify pass / 1-token pass, predicted = (new tokens - 1) / (E[rounds until the "
+        "batch's slowest row ends] x (calls x c + v))"
     )
     out.table(f"{settings.name}_decode", rows, title)
     if not settings.sweeps:
@@ -454,12 +456,16 @@ def batch_table(out: harness.Writer, settings: Settings, small, target, loaded, 
 
 def jobs(settings: Settings) -> list[tuple]:
     """(category, batch, temperature, prompt texts, new tokens) of the decode table: free continuation at every
-    batch and temperature; input-grounded retelling (`harness.GROUNDED`) and long generation (3x the tokens) at
-    batch 1, greedy, for the rows in `settings.category_kinds`."""
+    batch and temperature (at T > 0 each prompt `settings.seeds` times, each its own seed); input-grounded
+    retelling (`harness.GROUNDED`) and long generation (3x the tokens) at batch 1, greedy, for the rows in
+    `settings.category_kinds`."""
     out = []
     for b in settings.batches:
         n = -(-max(settings.prompts, b) // b) * b
-        out += [("free", b, t, (PROMPTS * n)[:n], settings.new_tokens) for t in settings.temperatures]
+        out += [
+            ("free", b, t, (PROMPTS * n)[:n] * (settings.seeds if t > 0 else 1), settings.new_tokens)
+            for t in settings.temperatures
+        ]
     if "grounded" in settings.categories:
         out.append(
             ("grounded", 1, 0.0, harness.GROUNDED[: max(settings.prompts // 2, 1)], settings.new_tokens)
@@ -652,6 +658,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompts", None, "Prompts per batch size (default 4; smoke 2).")
     flags.DEFINE_integer("new_tokens", None, "Tokens generated per prompt (default 64; smoke 8).")
     flags.DEFINE_integer("repeats", None, "Timed repetitions (median; default 3).")
+    flags.DEFINE_integer(
+        "seeds", None, "Samples of each prompt at T > 0, each with its own seed (default 1)."
+    )
     flags.DEFINE_list("batches", None, "Batch sizes (default 1,4; smoke 1).")
     flags.DEFINE_list("temperatures", None, "Sampling temperatures, 0 = greedy (default 0,1; smoke 0).")
     flags.DEFINE_list("kinds", None, f"Drafter rows (default all: {', '.join(KINDS)}).")
@@ -677,6 +686,7 @@ def main(argv):
         "prompts": FLAGS.prompts,
         "new_tokens": FLAGS.new_tokens,
         "repeats": FLAGS.repeats,
+        "seeds": FLAGS.seeds,
         "batches": FLAGS.batches and tuple(map(int, FLAGS.batches)),
         "temperatures": FLAGS.temperatures and tuple(map(float, FLAGS.temperatures)),
         "kinds": FLAGS.kinds and tuple(FLAGS.kinds),

@@ -244,6 +244,27 @@ def test_decode_rows_time_each_drafter_in_turns_with_ar(stories):
     assert np.isnan(untimed.seconds) and untimed.tokens == ar.tokens
 
 
+def test_sampled_memory_bound_jobs_draw_each_prompt_once_a_seed(stories):
+    """At T > 0 the memory-bound decode table runs each prompt `seeds` times (greedy: once); `costs.timed_groups`
+    gives group i seed i, so the copies of a prompt are different samples (with one sample a prompt, T = 1's tau
+    on 4 prompts varied between seeds by a standard deviation of 0.2-0.28)."""
+    from experiments import bench_memory_bound as bench
+    from experiments import costs
+    from specjax.sampling import Sampler
+
+    settings = bench.Settings(batches=(1, 4), temperatures=(0.0, 1.0), seeds=3, categories=())
+    texts = {(b, t): x for _, b, t, x, _ in bench.jobs(settings)}
+    assert texts[(1, 0.0)] == texts[(4, 0.0)] == bench.PROMPTS[:4]
+    assert texts[(1, 1.0)] == texts[(4, 1.0)] == bench.PROMPTS[:4] * 3
+    groups = [[stories.tokenizer.encode(bench.PROMPTS[0])]] * 3
+    target, kw = (stories.cfg, stories.graphdef, stories.params), dict(max_new_tokens=16)
+    _, sampled = costs.timed_groups(target, groups, kw | dict(sampler=Sampler(1.0)), {}, 1)
+    rows = [np.asarray(o.tokens)[0].tolist() for o in sampled["AR"]]
+    assert len({tuple(r) for r in rows}) == 3  # the control: greedy copies agree
+    _, greedy = costs.timed_groups(target, groups, kw, {}, 1)
+    assert len({tuple(np.asarray(o.tokens)[0].tolist()) for o in greedy["AR"]}) == 1
+
+
 def test_timed_groups_give_each_group_its_own_params(stories):
     """`costs.timed_groups` with `PerGroup` params: group i drafts from params[i] (here a suffix store that holds
     group i's greedy output, so every draft token is accepted); swapped stores (the control) accept fewer."""

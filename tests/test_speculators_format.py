@@ -6,6 +6,7 @@ in specjax with the same logits and parameters and decode exactly through `--hea
 one line. No network: the targets' verifier directories are written here (the real stories260K is one already)."""
 
 import json
+from importlib.util import find_spec
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,15 @@ from specjax.models.llama import causal_mask, init_cache, init_params
 from specjax.sampling import Sampler
 
 torch = pytest.importorskip("torch")
-speculators = pytest.importorskip("speculators")
-from speculators.losses import resolve_loss_config  # noqa: E402
-from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig  # noqa: E402
-from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402
 
-# transformers 5.24 warns of an argument the library's decoder layers still pass
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# The library is imported where a test uses it: importing it takes 5.6 s, which every worker collecting the suite
+# paid. transformers 5.24 warns of an argument the library's decoder layers still pass, torch of a decorator the
+# library uses on import.
+pytestmark = [
+    pytest.mark.skipif(find_spec("speculators") is None, reason="the speculators library is not installed"),
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
 T = 7  # tokens drafted from
 DRAFT = [0, 3, 4, 10, 17, 40, 41, 96]  # a reduced draft vocabulary of TINY's 97 tokens
 HEAD_DEPTH = 1 + 1 + LAYER_DEPTH + 1  # fc, input norms, the layer, final norm and LM head
@@ -77,9 +80,16 @@ def noisy(meta, cfg, params, seed):
     return jax.tree.map(lambda x: x + rng.normal(0, 0.1, x.shape).astype(x.dtype), fresh)
 
 
-def library_model(model_class, config_class, path):
-    """The library's model of a speculators directory, its attention on torch's SDPA (not flex attention's
-    uncompiled CPU fallback)."""
+def library_model(method: str, path):
+    """The library's model ("eagle3" or "dflash") of a speculators directory, its attention on torch's SDPA (not
+    flex attention's uncompiled CPU fallback)."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    model_class, config_class = {
+        "eagle3": (Eagle3DraftModel, Eagle3SpeculatorConfig),
+        "dflash": (DFlashDraftModel, DFlashSpeculatorConfig),
+    }[method]
     config = config_class.from_pretrained(str(path))
     config.transformer_layer_config._attn_implementation = "sdpa"
     return model_class.from_pretrained(str(path), config=config).eval()
@@ -147,7 +157,7 @@ def test_trained_head_exports_to_the_library(stories, tmp_path):
     )  # the whole vocabulary: no maps, as the library
 
     tokens, taps = inputs(stories.cfg, 3, 0)
-    model = library_model(Eagle3DraftModel, Eagle3SpeculatorConfig, dest)
+    model = library_model("eagle3", dest)
     want = library_eagle3_logits(model, tokens, taps)
     got = specjax_eagle3_logits(meta, graphdef, params, stories.cfg, stories.params, tokens, taps)
     assert_close(got, want, dtype=jnp.float32, depth=HEAD_DEPTH)
@@ -168,7 +178,7 @@ def test_reduced_vocabulary_head_exports_to_the_library(tiny_verifier, tmp_path)
     dest = speculators_format.export(
         meta, params, tmp_path / "reduced", TINY, TARGET[1], str(tiny_verifier)
     )
-    model = library_model(Eagle3DraftModel, Eagle3SpeculatorConfig, dest)
+    model = library_model("eagle3", dest)
     assert torch.flatten(torch.nonzero(model.t2d)).tolist() == DRAFT
     assert (torch.arange(len(DRAFT)) + model.d2t).tolist() == DRAFT
     tokens, taps = inputs(TINY, 2, 1)
@@ -204,6 +214,8 @@ def specjax_dflash_logits(meta, graphdef, params, tokens, taps):
 def library_dflash_logits(model, tokens, taps):
     """The library's logits [B, V] of the block anchored at position n = len(taps) (the only position in its loss
     mask, so its one anchor), which sees the context before it."""
+    from speculators.losses import resolve_loss_config
+
     n, b = len(taps), model.block_size
     length = n + b + 1  # the library anchors no block in the last block_size positions
     hidden = np.concatenate([taps, np.zeros((length - n, taps.shape[1]), np.float32)])
@@ -233,7 +245,7 @@ def test_dflash_head_exports_to_the_library(tiny_verifier, tmp_path):
     config = json.loads((dest / "config.json").read_text())
     assert config["aux_hidden_state_layer_ids"] == [1] and config["mask_token_id"] == 5
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    model = library_model(DFlashDraftModel, DFlashSpeculatorConfig, dest)
+    model = library_model("dflash", dest)
     tokens, taps = inputs(TINY, 1, 3, n=12)
     taps = taps[:6]
     want = library_dflash_logits(model, tokens, taps)
@@ -253,6 +265,7 @@ def library_eagle3(verifier, seed=4, draft=DRAFT):
     """A random Eagle3DraftModel of TINY's shape as the library builds one for training (its embedding the
     target's, a reduced vocabulary)."""
     from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 

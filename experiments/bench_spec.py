@@ -35,7 +35,7 @@ from experiments.harness import interleaved_times, median_time, write_table
 from specjax import cli
 from specjax.analysis import expected_speedup
 from specjax.decoding import compile_decode, prepare_speculative
-from specjax.decoding.compile import decoding_layout
+from specjax.decoding.compile import decoding_layout, drafter_layout
 from specjax.drafters.draft_model import DraftModel
 from specjax.metrics import loop_efficiency, summarize
 from specjax.models.config import LlamaConfig
@@ -115,6 +115,8 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
     prompt = target.tokenizer.encode(PROMPT)
     ids = torch.tensor([prompt])
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval() if FLAGS.hf else None
+    # the target's passes timed apart laid out as a drafter's job runs them (`decoding_layout`)
+    vgraph, vparams, _, _ = decoding_layout(target.graphdef, target.params, None, None, True)
     rows = []
     for temperature in map(float, FLAGS.temperatures):
         sampler = Sampler(temperature)
@@ -158,10 +160,7 @@ def bench_target(name: str, target_dir: Path, tmp: Path) -> list[dict]:
                 # round time without the fixed cost (prefills, first token): a run of max_new_tokens=1 (same cache
                 # size: prefill time grows with it) has no round
                 size = prepare_speculative(cfg, drafter, [prompt], spec)[2].cache_size
-                # the passes timed apart laid out as the decode runs them (`decoding_layout`)
-                vgraph, vparams, laid, lparams = decoding_layout(
-                    target.graphdef, target.params, drafter, dparams, False
-                )
+                laid, lparams = drafter_layout(drafter, dparams)  # as the decode runs it
                 fixed, _ = compile_decode(
                     cfg,
                     target.graphdef,

@@ -385,6 +385,39 @@ def test_confidence_sized_sampling_is_exact(monkeypatch):
     assert report.passed, report.format()  # greedy: test_confidence_sized_rounds_equal_ar
 
 
+def test_a_sampled_round_verifies_a_length_chosen_from_its_context_alone():
+    """With a Markov head the confidence of position i + 1 reads the token before it. A length chosen from the
+    sampled tokens would verify a token more often where the head trusts it (the output then leans towards such
+    tokens); the confidence reads the block's greedy path instead, so at T = 1 every key drafts different tokens and
+    verifies the same length. The control: the same head's choice from the sampled tokens changes with the key."""
+    from flax import nnx
+
+    graphdef, params = TARGET
+    meta, hgraph, hparams = dflash(TINY, params, markov=8, confidence=True)
+    # a sampled position's confidence near 0 or 1, set by the token before it alone
+    weight = np.zeros(hparams["confidence"]["weight"].shape, np.float32)
+    weight[1, TINY.dim :] = 300 * np.random.default_rng(0).standard_normal(8)
+    hparams["confidence"]["weight"] = jnp.asarray(weight)
+    d, dparams = drafter(TINY, params, (meta, hgraph, hparams), 7, Sampler(1.0))
+    assert d.verify_lengths == (2, 4, 7)
+    tokens = jnp.asarray([[5, 9, 3, 7, 2, 11, 4]], jnp.int32)
+    feats = target_features(TINY, graphdef, params, tokens, LAYERS)
+    state = d.init(dparams, tokens[:, :6], jnp.full((1,), 6), 32, feats[:, :6])
+    n = jnp.full((1,), 7)
+    block = jnp.concatenate([tokens[:, 6:], jnp.zeros((1, d.block - 1), jnp.int32)], 1)
+    x = dflash_block(d.graphdef, dparams, block, 6 + jnp.arange(d.block)[None], state.cache)[1][:, 1:8]
+    head = nnx.merge(d.graphdef, dparams["head"])
+    chosen, from_samples, drafts = set(), set(), set()
+    for seed in range(24):
+        draft = d.propose(dparams, state, tokens, n, jax.random.key(seed))[0]
+        chosen.add(int(draft.choice))
+        drafts.add(tuple(np.asarray(draft.tokens[0]).tolist()))
+        sampled = jnp.concatenate([tokens[:, 6:], draft.tokens[:, :-1]], 1)
+        from_samples.add(int(d.choose(head.acceptance(x, sampled))))
+    assert len(drafts) > 12 and len(chosen) == 1
+    assert len(from_samples) > 1  # the control
+
+
 @pytest.mark.parametrize("attention, markov", [(None, 0), ([4, 2, 16], 0), (None, 8)])
 def test_expanded_head_drafts_the_same_distributions(stories, attention, markov):
     """On the function-preserving expansion of stories260K (`specjax.expand`), the expanded head's block

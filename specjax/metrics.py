@@ -11,14 +11,15 @@ def summarize(stats) -> dict:
     tau: tokens emitted per target verification pass, bonus included = sum(emitted) / sum(row_rounds).
     alpha_i: fraction of rounds in which draft position i was accepted given all before it were.
     hist: rounds by number of draft tokens accepted (0..K).
-    Counts are on emitted tokens: accepted drafts cut by EOS or max_new_tokens are not accepted (the first
-    of them is censored: neither accepted nor reached).
-    draft_efficiency: accepted draft tokens / drafted tokens.
+    Counts are on emitted tokens: accepted drafts cut by EOS or max_new_tokens are not accepted, and where a
+    round is cut before the token after its accepted drafts, the position after the emitted ones is censored
+    (neither accepted nor reached), whatever its verdict.
+    draft_efficiency: accepted draft tokens / drafted (verified) tokens, each round's depth summed.
     acceptance_rate: the i.i.d. model's a (Leviathan et al.), estimated as accepted draft tokens / draft
     positions reached (each reached position a Bernoulli(a) trial).
     """
     hist = np.asarray(stats.accepted_hist)
-    k = hist.shape[0] - 1
+    drafted = int(np.dot(np.arange(hist.shape[0]), stats.k_hist))  # adaptive K: each round's own depth
     passes = int(np.sum(stats.row_rounds))
     accepted = np.asarray(stats.accepted_at)
     reached = np.asarray(stats.reached_at)
@@ -26,7 +27,7 @@ def summarize(stats) -> dict:
         "tau": float(np.sum(stats.emitted)) / max(passes, 1),
         "alpha": np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan),
         "hist": hist,
-        "draft_efficiency": float(accepted.sum()) / max(k * passes, 1),
+        "draft_efficiency": float(accepted.sum()) / max(drafted, 1),
         "acceptance_rate": float(accepted.sum()) / max(int(reached.sum()), 1),
         "target_passes": passes,
         "rounds": int(stats.rounds),

@@ -30,8 +30,10 @@ from specjax.models.llama import features, forward
 @struct.dataclass
 class SpecStats:
     """Accumulated on device; see `specjax.metrics` for what is derived from them. Acceptance counts are on
-    what was emitted: draft tokens accepted beyond an EOS or max_new_tokens are not accepted, and the first
-    of them is censored (neither accepted nor rejected)."""
+    what was emitted: draft tokens accepted beyond an EOS or max_new_tokens are not accepted, and in a round cut
+    before the token after its accepted drafts, the draft position after the emitted ones is censored (neither
+    accepted nor rejected), whatever its verdict: were only accepted ones censored, its rejections would count
+    and its acceptances not."""
 
     rounds: jax.Array  # [] loop iterations
     row_rounds: jax.Array  # [B] rounds in which the row was active (= target verification passes)
@@ -53,12 +55,13 @@ class SpecStats:
     def record(self, active_B, n_emitted_B, n_accepted_B, depth: int) -> SpecStats:
         count = active_B.astype(jnp.int32)
         kept = jnp.minimum(n_accepted_B, n_emitted_B)
+        cut = (n_emitted_B <= n_accepted_B) & (kept < depth)  # draft position kept + 1 proposed, then cut
         return SpecStats(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + count,
             emitted=self.emitted + n_emitted_B,
             depth_accepted=self.depth_accepted.at[depth, kept].add(count),
-            censored_hist=self.censored_hist.at[kept].add(count * (kept < n_accepted_B)),
+            censored_hist=self.censored_hist.at[kept].add(count * cut),
             row_hist=self.row_hist.at[jnp.arange(kept.shape[0]), kept].add(count),
         )
 

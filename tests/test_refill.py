@@ -134,11 +134,24 @@ def test_sampled_refill_is_distributed_as_ar_and_a_shared_key_is_caught(monkeypa
     monkeypatch.setattr(
         refill,
         "first_tokens",
-        lambda s, key, prompts_B, logits: jax.vmap(lambda lg: s.sample(key, lg))(logits),
+        lambda s, key, prompts_B, logits, n: jax.vmap(lambda lg: s.sample(key, lg))(logits),
     )
     refill.ar_serve_compiled.clear_cache()
     broken = refill.serve(SMALL, graphdef, params, prompts, spec, 2048, seed=2)
     assert two_sample_pvalue(ar, first_three(broken.tokens)) < 1e-6
+
+
+def test_a_prompts_first_sampled_token_is_the_same_whichever_slot_serves_it():
+    """At T = 1 a prompt's first token does not depend on the number of slots (nor on which prompts open the job
+    beside it); its later tokens do (the rounds' uniforms are the slots'), which the control shows."""
+    graphdef, params = peaked(SMALL, 0)
+    prompts, spec = [[1, 3], [2], [1, 3], [4, 1, 2], [1, 3]], GenerateSpec(3, Sampler(1.0), eos_id=None)
+    served = [
+        np.asarray(refill.serve(SMALL, graphdef, params, prompts, spec, s, seed=4).tokens) for s in (1, 3)
+    ]
+    np.testing.assert_array_equal(served[0][:, 0], served[1][:, 0])
+    assert len({tuple(row) for row in served[0][:, 0:1]}) > 1  # the prompts' first tokens differ
+    assert (served[0][:, 1:] != served[1][:, 1:]).any()  # the control
 
 
 def test_refill_errors():

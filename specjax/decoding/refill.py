@@ -151,9 +151,11 @@ def start_row(begin, tokens_NP, lengths_N, prompt):
     return jax.lax.switch(index, [at(w) for w in widths], prompt)
 
 
-def first_tokens(sampler, key, prompts_B, logits_BV):
-    """Each prompt's first token, drawn with a key of its own (the same whichever slot serves it)."""
-    return jax.vmap(lambda p, lg: sampler.sample(jax.random.fold_in(key, p), lg))(prompts_B, logits_BV)
+def first_tokens(sampler, key, prompts_B, logits_BV, n_prompts: int):
+    """Each prompt's first token, drawn with the uniform at its index in one draw for all `n_prompts` (the same
+    whichever slot serves it; 'rbg' keys folded per prompt under `vmap` draw from the first prompt's stream)."""
+    u_N = jax.random.uniform(key, (n_prompts,))
+    return sampler.sample_with(u_N[prompts_B], logits_BV)
 
 
 # --- autoregressive -------------------------------------------------------------------------------------------
@@ -181,7 +183,7 @@ def _ar_serve(cfg, graphdef, params, tokens_NP, lengths_N, budget_N, key, spec, 
 
     def begin(tokens, lengths, prompts):  # (cache, first tokens)
         logits, cache, _ = prefill(cfg, graphdef, params, tokens, lengths, spec.cache_size)
-        return cache, first_tokens(sampler, k_first, prompts, logits)
+        return cache, first_tokens(sampler, k_first, prompts, logits, tokens_NP.shape[0])
 
     tokens, lengths, request, out = opening(tokens_NP, lengths_N, slots, n_new)
     cache, first = begin(tokens, lengths, request)
@@ -252,7 +254,7 @@ def _speculative_serve(
 
     def begin(tokens_bp, lengths_b, prompts_b):  # (cache, first tokens, drafter state, sequences)
         logits, cache, feats = prefill(cfg, graphdef, params, tokens_bp, lengths_b, size, taps)
-        first = first_tokens(spec.sampler, k_first, prompts_b, logits)
+        first = first_tokens(spec.sampler, k_first, prompts_b, logits, n)
         rows = jnp.arange(tokens_bp.shape[0])
         seq = jnp.zeros((tokens_bp.shape[0], size), jnp.int32).at[:, : tokens_bp.shape[1]].set(tokens_bp)
         state = drafter.init(drafter_params, tokens_bp, lengths_b, size, feats)

@@ -86,6 +86,44 @@ def test_attention_equals_float64(build, b, kv, g, t, slots, d):
 
 
 @built
+@pytest.mark.parametrize("rows", [2, 16])  # one row at a time; the rows in the vector lanes
+def test_a_masked_slot_whose_key_is_not_finite_is_ignored(build, rows):
+    """A masked slot adds nothing to any row's attention, even where its key holds NaN or inf (as XLA's masked
+    scores): the output is the one without that slot. The control: the same slot visible gives NaN."""
+    rng = np.random.default_rng(2)
+    q, k, v = (
+        np.asarray(rng.standard_normal(s), np.float32) for s in ((1, rows, 16), (1, 12, 16), (1, 16, 12))
+    )
+    k[0, 1, 3], k[0, 5] = np.nan, np.inf
+    visible = np.zeros((1, rows, 12), bool)
+    visible[:, :, [0, 2, 6]] = True  # slots 1 and 5 masked for every token, below the last visible slot
+    call = jax.jit(kernels.decode_attention, static_argnums=(4, 5))
+    got = np.asarray(call(*map(jnp.asarray, (q, k, v, visible)), 0.25, build))
+    keep = [0, 2, 6]
+    scores = np.einsum("rd,sd->rs", q[0], k[0, keep]) * 0.25
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("rs,ds->rd", probs / probs.sum(-1, keepdims=True), v[0][:, keep])
+    assert_close(got[0], want, dtype=jnp.float32, depth=8)
+    visible[:, :, 1] = True
+    assert np.isnan(np.asarray(call(*map(jnp.asarray, (q, k, v, visible)), 0.25, build))).all()
+
+
+@built
+def test_a_packed_layer_promotes_lower_precision_inputs_as_its_plain_layer():
+    """A float32 layer packed for the kernel takes bfloat16 rows (a float32 head on a bfloat16 target's
+    features) and gives what the plain layer gives: float32, the same values."""
+    from flax import nnx
+
+    from specjax.models.llama import Linear, PackedLinear
+
+    plain = Linear(40, 24, True, jnp.float32, nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 40)), jnp.bfloat16)
+    want, got = plain(x), PackedLinear(plain)(x)
+    assert want.dtype == got.dtype == jnp.float32
+    assert_close(got, want, dtype=jnp.float32, depth=6)
+
+
+@built
 def test_a_rows_attention_ignores_the_other_rows(build):
     """With query rows in the vector lanes (16 rows: 8 tokens x 2 heads per kv head), a token's output has the same
     bits whatever the other tokens ask and see: their queries and masks changed, one seeing slots past its own."""

@@ -89,8 +89,11 @@ def compile_library(out: Path, march: str = "native") -> str:
 def build() -> Path:
     """Compiles the kernels for this machine (-march=native) into LIBRARY, with its provenance."""
     tmp = LIBRARY.with_suffix(".so.tmp")
-    version = compile_library(tmp)
-    PROVENANCE.with_suffix(".json.tmp").write_text(json.dumps(_provenance(version), indent=1))
+    provenance = _provenance(
+        ""
+    )  # the sources as compiled, not as they are after (a checkout during a build)
+    provenance["compiler"] = compile_library(tmp)
+    PROVENANCE.with_suffix(".json.tmp").write_text(json.dumps(provenance, indent=1))
     tmp.replace(LIBRARY)
     PROVENANCE.with_suffix(".json.tmp").replace(PROVENANCE)
     return LIBRARY

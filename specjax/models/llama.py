@@ -109,7 +109,7 @@ class PackedLinear(Linear):
         return w.transpose(0, 2, 1).reshape(-1, w.shape[1])[: self.n_out]
 
     def __call__(self, x):
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # as a float32 `Linear` promotes its inputs
         y = kernels.packed_matmul(flat, self.weight[...], self.n_out).reshape(*x.shape[:-1], self.n_out)
         return y if self.bias is None else y + self.bias[...]
 

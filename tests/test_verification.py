@@ -9,6 +9,7 @@ target (to float32 rounding: tests/tolerance.py, POSITION_DEPTH stages per posit
 """
 
 import csv
+import dataclasses
 import itertools
 
 import jax
@@ -504,6 +505,41 @@ def test_verify_exactness_passes_every_drafter_and_catches_its_controls(drafter)
     assert verdicts["tokenwise"] == verdicts["block"] == "PASS", report.format()
     if "typical_lossy" in verdicts:
         assert verdicts["typical_lossy"] == "FAIL (lossy by design)" and not report.passed
+
+
+def test_a_pool_of_rare_cells_expecting_under_five_joins_the_smallest_large_cell():
+    """One observation in cells that together expect 0.1 is no evidence against the distribution (kept as a cell
+    of its own it gave p = 0.017); a real departure still fails, and an impossible outcome fails outright."""
+    probs = np.array([0.5, 0.4999, 0.0001, 0.0])
+    gof = verify_exactness.goodness_of_fit
+    assert gof(np.array([500, 499, 1, 0]), probs) > 0.5
+    assert gof(np.array([600, 399, 1, 0]), probs) < 1e-6  # the control
+    assert gof(np.array([500, 499, 0, 1]), probs) == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BonusFromDepthBefore:
+    """Token-wise rejection sampling, except that after a full acceptance the bonus token is drawn from the
+    target's distribution one position early: wrong at new token K + 2 only."""
+
+    name = "bonus_from_depth_before"
+    lossless = True
+
+    def chain(self, key, sampler, draft_BK, q_BKV, logits_BKV):
+        n, token = acceptance.get("tokenwise").chain(key, sampler, draft_BK, q_BKV, logits_BKV)
+        k = draft_BK.shape[1]
+        early = sampler.sample(jax.random.fold_in(key, 7), logits_BKV[:, k - 1])
+        return n, jnp.where(n == k, early, token)
+
+
+def test_verify_exactness_compares_through_the_first_round_s_bonus_token():
+    """By default the check compares K + 2 new tokens: a rule wrong only at the bonus token fails; compared over
+    K + 1 tokens (the bonus cut), the same rule passes."""
+    rules = (BonusFromDepthBefore(),)
+    report = verify_exactness.verify("draft_model", rules, greedy=False, samples=4_000)
+    assert report.tokens == 4 and report.rules[0].verdict(report.alpha) == "FAIL", report.format()
+    short = verify_exactness.verify("draft_model", rules, greedy=False, samples=4_000, tokens=3)
+    assert short.rules[0].p_value >= short.alpha, short.format()  # the blind spot: positions 1..K only
 
 
 def test_verify_exactness_cli_exit_status(monkeypatch, capsys):

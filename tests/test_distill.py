@@ -74,6 +74,26 @@ def target_dir(stories, tmp_path_factory):
     return path
 
 
+def test_on_policy_rows_keep_the_mask_of_the_tokens_they_continue():
+    """The rows rewritten by the draft's own continuations keep their first tokens' mask (a user turn's zeros stay
+    out of the loss) and mask what follows their end; the other rows are unchanged."""
+    c = smoke(base_config("distill"))
+    c.heads.n_layers, c.data.on_policy_fraction = 1, 0.5
+    graphdef, draft = init_params(distill.draft_config(distill.sizes(c.heads), TINY), seed=1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, TINY.vocab_size, (4, 32)), jnp.int32)
+    mask = np.ones((4, 32), np.int32)
+    mask[:, 1:3] = 0  # a user turn inside the first 32 // 8 tokens
+    new_tokens, new_mask = distill.on_policy(
+        graphdef, TINY, {"draft": draft}, tokens, jnp.asarray(mask), jax.random.key(0), c
+    )
+    new_tokens, new_mask = np.asarray(new_tokens), np.asarray(new_mask)
+    np.testing.assert_array_equal(new_mask[:2, :4], [[0, 0, 0, 1]] * 2)  # position 0 (BOS) as before
+    assert (new_tokens[:2, 4:] != np.asarray(tokens)[:2, 4:]).any()  # the rows were rewritten
+    np.testing.assert_array_equal(new_mask[2:], mask[2:])
+    np.testing.assert_array_equal(new_tokens[2:], np.asarray(tokens)[2:])
+
+
 def test_exact_copy_of_the_target_has_zero_divergence_and_gradient():
     cfg, (graphdef, target_params) = TINY, init_params(TINY, 1)
     h = base_config("distill").heads

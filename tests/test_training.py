@@ -77,10 +77,18 @@ def test_smoke_training_lowers_loss_and_leaves_target_bit_identical(
         loaded["before"] = jax.tree.map(np.array, loaded["target"][2])
         return loaded["target"], tok
 
-    real_load = trainer.load_target
+    real_load, real_loss_fn, noises = trainer.load_target, trainer.loss_fn, []
     monkeypatch.setattr(trainer, "load_target", spy)
-    summary = trainer.train(smoke_config(method, target_dir, corpus), tmp_path)
+    monkeypatch.setattr(  # the losses built: training's, then the held-out metrics'
+        trainer,
+        "loss_fn",
+        lambda meta, c, *a: noises.append(c.heads.get("noise")) or real_loss_fn(meta, c, *a),
+    )
+    config = smoke_config(method, target_dir, corpus)
+    summary = trainer.train(config, tmp_path)
     assert summary["step"] == 30
+    if method == "eagle":  # held out: the features as decoding feeds them, without training's noise
+        assert noises == [config.heads.noise, 0.0] and config.heads.noise > 0
     trajectory = losses(tmp_path)
     assert np.mean(trajectory[-5:]) < 0.9 * np.mean(trajectory[:5]), trajectory
     after = jax.tree.map(np.array, loaded["target"][2])  # fails if the train step donated the target
@@ -166,7 +174,8 @@ def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path,
 
 def test_init_from_takes_heads_with_the_same_arrays(stories):
     """A DFlash run at block 8 may start from the committed head trained at block 16 (a block size changes no array)
-    and gets its parameters; a run of another depth may not."""
+    and gets its parameters; a run of another depth may not, nor one tapping other target layers (the same arrays,
+    meaning other features)."""
     source = REPO / "heads" / "stories260K_dflash_tvd"
     theirs = heads.read_meta(source)
     _, _, committed = heads.load_heads(source, stories.cfg, stories.params)
@@ -184,6 +193,10 @@ def test_init_from_takes_heads_with_the_same_arrays(stories):
     shallower["shape"]["n_layers"] = 1
     with pytest.raises(TrainingConfigError, match="init_from=.* holds other heads .*'n_layers': 2"):
         start(shallower)
+    other_taps = json.loads(json.dumps(block8))  # the same arrays, read from other target layers
+    other_taps["shape"]["layers"] = [1, 2, 3]
+    with pytest.raises(TrainingConfigError, match=r"arrays mean other things .* their \['layers'\] differ"):
+        start(other_taps)
 
 
 def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
@@ -385,6 +398,13 @@ def test_mixed_self_distillation_interleaves_rows_of_both_temperatures(stories, 
         TrainingConfigError, match="mix_temperature=0.25 mixes only self-distilled documents"
     ):
         validate(config)
+    config.data.source = "self_distill"
+    validate(config)
+    for key in ("temperature", "mix_temperature"):  # greedy from BOS: one document, num_samples times
+        greedy = config.copy_and_resolve_references()
+        greedy.data[key] = 0.0
+        with pytest.raises(TrainingConfigError, match=f"data.{key}=0.0 samples greedily"):
+            validate(greedy)
 
 
 def test_the_greedy_dflash_config_is_dflash_s_with_cold_documents_mixed_in():

@@ -196,7 +196,8 @@ def distill_loss(graphdef, target_cfg, params, feats_BTH, tokens_BT, loss_mask_B
 def on_policy(graphdef, target_cfg, params, tokens_BT, loss_mask_BT, key, config):
     """The batch with its first `round(on_policy_fraction * B)` rows replaced by the draft's own continuations
     (sampled at data.temperature with the batched decoder) of their first `data.seq_len // 8` tokens; the
-    target scores them in the loss. Tokens after a row's end of sequence are masked out."""
+    target scores them in the loss. Those first tokens keep their mask (a conversation's user turn stays out of
+    the loss); tokens after a row's end of sequence are masked out."""
     d = config.data
     b, t = tokens_BT.shape
     n = int(round(d.on_policy_fraction * b))
@@ -214,8 +215,9 @@ def on_policy(graphdef, target_cfg, params, tokens_BT, loss_mask_BT, key, config
     draft = jax.lax.stop_gradient(params["draft"])
     out = generate_compiled(cfg, graphdef, draft, tokens_BT[:n, :prompt], jnp.full((n,), prompt), key, spec)
     sampled = jnp.concatenate([tokens_BT[:n, :prompt], out.tokens], axis=1)
-    valid = jnp.arange(t)[None] < prompt + out.lengths[:, None]
-    mask = (valid & (jnp.arange(t)[None] >= 1)).astype(loss_mask_BT.dtype)
+    at = jnp.arange(t)[None]
+    valid = jnp.where(at < prompt, loss_mask_BT[:n] > 0, at < prompt + out.lengths[:, None])
+    mask = (valid & (at >= 1)).astype(loss_mask_BT.dtype)
     return tokens_BT.at[:n].set(sampled), loss_mask_BT.at[:n].set(mask)
 
 

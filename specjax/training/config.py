@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ml_collections
 
-from specjax import precision
+from specjax import cli, precision
 from specjax.errors import TrainingConfigError
 
 
@@ -182,6 +182,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(d.num_samples >= 1, "data.num_samples", "must be >= 1")
     need(d.sample_len >= 1, "data.sample_len", "must be >= 1")
     need(d.temperature >= 0, "data.temperature", "must be >= 0 (0 = greedy)")
+    if d.source == "self_distill":  # every document starts at BOS: greedy, all would be one
+        for key, value in (
+            ("data.temperature", d.temperature),
+            ("data.mix_temperature", d.mix_temperature),
+        ):
+            need(
+                not 0 <= value < cli.GREEDY_BELOW,
+                key,
+                "samples greedily, and every self-distilled document would be the same one; set it > 0",
+            )
     need(
         d.mix_temperature < 0 or d.source == "self_distill",
         "data.mix_temperature",

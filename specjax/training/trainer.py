@@ -92,6 +92,20 @@ def loss_fn(meta: dict, config, graphdef, target):
     return loss
 
 
+# heads settings that change neither an array nor what one means: `train.init_from` may start across them
+ARRAYLESS_SETTINGS = frozenset({"block_size"})
+
+
+def heldout_config(config):
+    """The config the held-out metrics are measured under: training's input noise off (decoding feeds the heads
+    the target's true features)."""
+    if not config.heads.get("noise"):
+        return config
+    heldout = config.copy_and_resolve_references()
+    heldout.heads.noise = 0.0
+    return heldout
+
+
 def resampler(meta: dict, config, graphdef, target):
     """`(head_params, target_params, tokens, loss_mask, key) -> (tokens, loss_mask)`: the training batch as the
     method wants it (e.g. sequences its heads sample themselves), or None where it takes the batch as it is."""
@@ -154,6 +168,16 @@ def start_from(source: str, meta: dict, params, cfg, target_params):
             raise TrainingConfigError(
                 f"config train.init_from={source!r} holds other heads than this run trains ((those, these) differ "
                 f"in {diff}); start from heads trained with the same method, heads settings and target"
+            )
+        mine, their_shape = meta["shape"], theirs["shape"]
+        meaning = sorted(
+            k for k in {*mine, *their_shape} - ARRAYLESS_SETTINGS if mine.get(k) != their_shape.get(k)
+        )
+        if meaning:  # e.g. EAGLE-3's draft vocabulary, the tapped layers, the MASK token
+            raise TrainingConfigError(
+                f"config train.init_from={source!r} holds heads whose arrays mean other things than this run's: "
+                f"their {meaning} differ ((those, these): {[(their_shape.get(k), mine.get(k)) for k in meaning]}); "
+                "start from heads trained with the same settings (only the block size may change)"
             )
         logging.info("the heads in %s have the same arrays; (those, these) differ in %s", source, diff)
     logging.info("starting from the heads in %s, with a fresh optimiser", source)
@@ -367,10 +391,12 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         loss, optimizer, config, cfg.dtype, resampler(meta, config, graphdef, target)
     )
 
+    heldout_loss = loss_fn(meta, heldout_config(config), graphdef, target)
+
     @jax.jit
     def evaluate(params, target_params, tokens, mask):
         with precision.scope(config.matmul_precision, cfg.dtype):
-            return loss(params, target_params, tokens, mask, None, jax.random.key(0))[1]
+            return heldout_loss(params, target_params, tokens, mask, None, jax.random.key(0))[1]
 
     heldout = jax.device_put(heldout, replicated) if config.data.heldout else None
 

@@ -89,9 +89,8 @@ def compile_library(out: Path, march: str = "native") -> str:
 def build() -> Path:
     """Compiles the kernels for this machine (-march=native) into LIBRARY, with its provenance."""
     tmp = LIBRARY.with_suffix(".so.tmp")
-    provenance = _provenance(
-        ""
-    )  # the sources as compiled, not as they are after (a checkout during a build)
+    # the sources as they are compiled, not as they are after it (a checkout during a build)
+    provenance = _provenance("")
     provenance["compiler"] = compile_library(tmp)
     PROVENANCE.with_suffix(".json.tmp").write_text(json.dumps(provenance, indent=1))
     tmp.replace(LIBRARY)

@@ -8,12 +8,11 @@
 // Two layouts of the work for one (row, kv head) x. With at least half a vector of query rows, the rows are the
 // vector lanes (`rows_in_lanes`): every row's scores, softmax and sums run in its own lane in slot order, so a
 // row's result depends neither on the other rows of the pass nor on its masked slots (exact zeros, even where a
-// masked key is not finite), and
-// no dot product ends in a sum of lanes (the kernel alone, the 32 layers of a pass of the expanded stories260K, 8 kv
-// heads over 97-112 of 192 slots, on a Zen 1 EPYC, in turns with `row_by_row` and a scalar exp: 8 tokens, 16 rows
-// a kv head, 4.0 ms against 6.0; 16 tokens 8.3 against 11.5). With fewer, each row's dot products run along the
-// head dimension and the slots (`row_by_row`: 2 rows in 8 lanes would leave 6 idle). Both take exp a vector at a
-// time.
+// masked key is not finite), and no dot product ends in a sum of lanes (the kernel alone, the 32 layers of a pass
+// of the expanded stories260K, 8 kv heads over 97-112 of 192 slots, on a Zen 1 EPYC, in turns with `row_by_row`
+// and a scalar exp: 8 tokens, 16 rows a kv head, 4.0 ms against 6.0; 16 tokens 8.3 against 11.5). With fewer, each
+// row's dot products run along the head dimension and the slots (`row_by_row`: 2 rows in 8 lanes would leave 6
+// idle). Both take exp a vector at a time.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -36,7 +36,7 @@ from specjax.drafting.trees import DynamicTree, Tree
 from specjax.errors import DrafterError, HeadsError
 from specjax.models.config import ATTENTION, LlamaConfig
 from specjax.models.llama import Block, Linear, RMSNorm, apply_rope, init_cache, rope_angles
-from specjax.sampling import Sampler, argmax
+from specjax.sampling import Sampler
 from specjax.training import divergences, losses
 
 
@@ -346,7 +346,15 @@ class DFlash(KOrTree):
         first = logits[:, 0] + head.bias(pending[:, 0])
         draft, _ = self.shape.search(step, self.sampler, first, None, n_tokens_B, cache, key)
         if self.verify_lengths:
-            previous = jnp.concatenate([pending, greedy_path(head, logits, pending)[:, :-1]], 1)
+            # the confidence reads the block's greedy path (its greedy draft), a function of the context alone: a
+            # length chosen from the sampled tokens would verify a token more often where the head trusts it, and
+            # sampled output would lean towards such tokens
+            greedy = (
+                draft
+                if self.sampler.greedy
+                else self.shape.search(step, Sampler(), first, None, n_tokens_B, cache, key)[0]
+            )
+            previous = jnp.concatenate([pending, greedy.tokens[:, :-1]], 1)
             confidence = head.acceptance(x[:, 1:], previous)
             draft = draft.replace(lengths=self.verify_lengths, choice=self.choose(confidence))
         return draft, DFlashState(cache, state.taps)
@@ -361,20 +369,6 @@ class DFlash(KOrTree):
 
     def commit(self, params, state: DFlashState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state.replace(taps=feats_BDH[..., : self.taps_width])
-
-
-def greedy_path(head, logits_BKV, pending_B1):
-    """The block's most likely chain [B, K]: each position's argmax after the Markov bias of the one before it.
-    The confidence head reads this path, not the drafted tokens: a verified length chosen from sampled tokens
-    would verify a token more often where it is one the head trusts, and the output would no longer be the
-    target's (greedy drafts are this path)."""
-
-    def step(previous_B, logits_BV):
-        token = argmax(logits_BV + head.bias(previous_B)).astype(previous_B.dtype)
-        return token, token
-
-    _, path = jax.lax.scan(step, pending_B1[:, 0], logits_BKV.swapaxes(0, 1))
-    return path.swapaxes(0, 1)
 
 
 def choose_anchors(key, loss_mask_BT, n_blocks: int):

@@ -9,11 +9,15 @@ from typing import Protocol
 from specjax.errors import CheckpointError
 from specjax.hf_import import import_transformers
 
+# a Hugging Face tokenizer folder's files (with any SentencePiece `*.model` beside them): what it is read from
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
 
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int
     eos_id: int
+    files: tuple[Path, ...]  # what it was read from
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, BOS prepended."""
@@ -27,6 +31,9 @@ class HFTokenizer:
 
     def __init__(self, path: Path):
         self._tok = import_transformers().AutoTokenizer.from_pretrained(str(path))
+        self.files = tuple(path / n for n in HF_FILES if (path / n).exists()) + tuple(
+            sorted(path.glob("*.model"))
+        )
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
         self.eos_id = self._tok.eos_token_id
@@ -64,6 +71,7 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
 
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.files = (path,)
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
 
@@ -81,7 +89,7 @@ class Llama2cTokenizer:
 
     def __init__(self, path: Path, vocab_size: int):
         raw = path.read_bytes()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.files = vocab_size, (path,)
         (self.max_len,), offset = struct.unpack_from("i", raw), 4
         self.pieces, self.scores = [], []
         for _ in range(vocab_size):

@@ -268,6 +268,39 @@ def test_corpus_cache_is_rebuilt_when_source_setting_or_target_changes(tmp_path,
     assert not leftovers(cache.parent)
 
 
+def test_corpus_cache_is_rebuilt_when_the_tokenizer_changes(tmp_path, stories, text_source):
+    """The same target and text tokenised by a tokenizer whose vocabulary swaps two pieces' ids: the cache is
+    rebuilt (its tokens are the new tokenizer's, two ids swapped); a tokenizer naming no files is refused."""
+    from specjax.models.loading import load_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for f in tokenizer_files(stories.path):
+        shutil.copy(f, folder)
+    target = (stories.cfg, stories.graphdef, stories.params)
+    config = config_for("unused", text_source)
+    config.data.cache = str(tmp_path / "corpus.npy")
+    load = lambda: data.load_corpus(config, target, load_tokenizer(folder, stories.cfg.vocab_size), "A")
+    first = load().tokens
+    a, b = np.argsort(np.bincount(first.ravel()))[-2:]  # the two commonest ids
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    piece = {i: p for p, i in vocab.items()}
+    vocab[piece[a]], vocab[piece[b]] = int(b), int(a)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    swapped = np.where(first == a, b, np.where(first == b, a, first))
+    np.testing.assert_array_equal(load().tokens, swapped)
+
+    class Unnamed:  # a tokenizer of the caller's own, without the files it was read from
+        bos_id, eos_id = 1, 2
+
+        def encode(self, text):
+            return stories.tokenizer.encode(text)
+
+    with pytest.raises(data.DataError, match=r"names no files it was read from: .* or set data.cache=''"):
+        data.load_corpus(config, target, Unnamed(), "A")
+
+
 def test_corpus_cache_never_overwrites_a_foreign_file(tmp_path, stories, text_source):
     config = config_for("unused", text_source)
     config.data.cache = str(tmp_path / "mine.npy")

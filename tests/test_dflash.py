@@ -21,6 +21,7 @@ from specjax.drafters.dflash import (
     dflash_block,
     dflash_extend,
     draft_config,
+    greedy_tokens_per_round,
     paper_layers,
 )
 from specjax.drafting import registry
@@ -130,6 +131,17 @@ def test_anchors_follow_the_loss_mask():
     assert sorted(anchors[0][valid[0]]) == [4, 5, 6, 7] and valid[0].sum() == 4
     assert valid[1].all() and len(set(anchors[1])) == 6 and set(anchors[1]) <= set(range(1, 11))
     assert not valid[2].any()
+
+
+def test_greedy_tokens_per_round_stop_at_a_position_the_loss_mask_leaves_out():
+    """Two blocks of 4: one agrees at positions 1, 2 and 4 with position 3 masked out, one agrees at 1 then
+    misses: 1 + (2 + 1) / 2 tokens a round. The masked position's agreement is unknown: the run stops there
+    (counting on past it, the old rule, gives 1 + (3 + 1) / 2); an uncounted block is left out."""
+    hit = jnp.asarray([[[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 1]]], bool)
+    counted = jnp.asarray([[[1, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]]], bool)
+    assert float(greedy_tokens_per_round(hit, counted)) == 2.5
+    run_past_the_mask = jnp.cumprod(hit | ~counted, axis=-1) & counted  # the control: counts position 4
+    assert float(1 + jnp.sum(run_past_the_mask) / 2) == 3.0
 
 
 @pytest.fixture(scope="module")

@@ -445,15 +445,20 @@ def dflash_loss(
         bce = jnp.sum(optax.sigmoid_binary_cross_entropy(scores, labels), -1)
         metrics["confidence_bce"] = losses.masked_mean(bce, counted.astype(jnp.float32))
         loss = loss + confidence_weight * metrics["confidence_bce"]
-    run = jnp.cumprod(hit | ~counted, axis=-1) & counted  # greedy: accepted while every earlier one agrees
-    blocks_counted = jnp.maximum(jnp.sum(counted[..., 0]), 1)
     metrics |= {
         "loss": loss,
         "top1": jnp.sum(hit & counted) / jnp.maximum(jnp.sum(counted), 1),
-        # greedy tokens per round at these anchors, bonus included
-        "tau_greedy": 1 + jnp.sum(run) / blocks_counted,
+        "tau_greedy": greedy_tokens_per_round(hit, counted),
     }
     return loss, metrics
+
+
+def greedy_tokens_per_round(hit_BNI, counted_BNI):
+    """Greedy tokens per round at the blocks whose first position is counted, bonus included: a block's positions
+    are accepted while every one before agrees with the target's argmax; a position the loss mask leaves out
+    (unknown agreement) ends the run."""
+    run = jnp.cumprod(hit_BNI & counted_BNI, axis=-1)
+    return 1 + jnp.sum(run) / jnp.maximum(jnp.sum(counted_BNI[..., 0]), 1)
 
 
 @dataclasses.dataclass(frozen=True)

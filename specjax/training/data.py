@@ -9,9 +9,9 @@ a loss mask beside them (1 where a head is trained to predict that token).
 
 Every file is written to a temporary name beside it then renamed (`specjax.files`), so an interrupted run never
 leaves a partial one. The corpus cache (`CACHE.npy`) and the feature store carry their provenance (the target's
-identity, a hash of the source text, the settings, for the store the matmul precision of its features, and a hash
-of their own contents), in `CACHE.npy.json` and the store's `manifest.json`: a cache made from anything else is
-rebuilt, a feature store is refused.
+identity, a hash of the source text, the settings, for the cache the tokenizer's files, for the store the matmul
+precision of its features, and a hash of their own contents), in `CACHE.npy.json` and the store's `manifest.json`:
+a cache made from anything else is rebuilt, a feature store is refused.
 """
 
 from __future__ import annotations
@@ -185,10 +185,10 @@ def self_distill(
     return docs[:n_samples]
 
 
-def corpus_provenance(config, target_id: str) -> dict:
-    """What a packed corpus depends on: the target (its tokenizer, and for self-distillation its weights), the
-    source (the settings of self-distillation, or a hash of the text file's contents, and for conversations the
-    chat template file and the regeneration settings) and seq_len."""
+def corpus_provenance(config, target_id: str, tokenizer=None) -> dict:
+    """What a packed corpus depends on: the target (its identity, and a hash of `tokenizer`'s files where given),
+    the source (the settings of self-distillation, or a hash of the text file's contents, and for conversations
+    the chat template file and the regeneration settings) and seq_len."""
     d = config.data
     if d.source == "self_distill":
         source = {
@@ -213,7 +213,22 @@ def corpus_provenance(config, target_id: str) -> dict:
             if d.regenerate:
                 settings = {"sample_len": d.sample_len, "temperature": d.temperature, "seed": config.seed}
                 source["regenerate"] = {"file": str(Path(d.regenerate).absolute())} | settings
-    return {"format": 2, "target": target_id, "source": source, "seq_len": d.seq_len}
+    made_with = {} if tokenizer is None else {"tokenizer": tokenizer_sha256(tokenizer)}
+    return {"format": 2, "target": target_id} | made_with | {"source": source, "seq_len": d.seq_len}
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """A hash of the names and contents of the files `tokenizer` was read from."""
+    paths = getattr(tokenizer, "files", ())
+    if not paths:
+        raise DataError(
+            f"data.cache records what a corpus was tokenised with, but this tokenizer ({type(tokenizer).__name__}) "
+            "names no files it was read from: load it with specjax.models.loading.load_tokenizer or set data.cache=''"
+        )
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"{Path(path).name}:{files.sha256_file(path)}\n".encode())
+    return h.hexdigest()
 
 
 def _sidecar(cache: Path) -> Path:
@@ -269,7 +284,7 @@ def load_corpus(config, target, tokenizer, target_id: str | None = None, write: 
     if cache is not None or conversations:
         target_id = target_id or model_identity(cfg, params_digest(target[2]))
     if cache is not None:
-        provenance = corpus_provenance(config, target_id)
+        provenance = corpus_provenance(config, target_id, tokenizer)
         corpus = _read_cache(cache, provenance)
         if corpus is not None:
             check_token_range(corpus.tokens, cfg.vocab_size, f"corpus cache {cache}")

@@ -231,6 +231,33 @@ def test_sigterm_saves_the_current_step(target_dir, corpus, tmp_path):
     )  # signal between step and log
 
 
+def test_the_draft_vocabulary_is_counted_on_the_training_rows_alone(target_dir, tmp_path):
+    """EAGLE-3's reduced draft vocabulary: the held-out rows (the corpus's last, here spelling a word the training
+    rows never use) do not enter its count."""
+    source = tmp_path / "docs.txt"
+    source.write_text("Tom and Lily went to the park to play.\n" * 60 + "Zyx qvzx jqwk!\n" * 10)
+    config = smoke_config("eagle3", target_dir)
+    config.data.source, config.data.heldout, config.heads.draft_vocab, config.train.steps = (
+        str(source),
+        8,
+        24,
+        1,
+    )
+    trainer.train(config, tmp_path / "work")
+    draft_ids = json.loads((tmp_path / "work" / heads.META).read_text())["shape"]["draft_ids"]
+    from specjax.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir / "tokenizer", 512)
+    corpus = data.load_corpus(config, checkpoint.restore_model(target_dir), tokenizer, "A")
+    train, heldout = corpus.tokens[:-8], corpus.tokens[-8:]
+    unseen = set(np.unique(heldout)) - set(np.unique(train))
+    assert unseen and not unseen & set(draft_ids)
+    assert draft_ids == frequent_tokens(train, 24, 512)
+    assert unseen & set(
+        frequent_tokens(corpus.tokens, 24, 512)
+    )  # the control: counted with the held-out rows
+
+
 def test_feature_store_trains_like_online_features(target_dir, corpus, tmp_path):
     """EAGLE-3 with a reduced draft vocabulary: the store holds the tapped layers beside the final features, and
     the draft vocabulary is the corpus's most frequent tokens."""

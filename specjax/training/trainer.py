@@ -357,7 +357,16 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
 
     # every process reads (or makes) the corpus, process 0 caches it
     corpus = data.load_corpus(config, target, tokenizer, target_id, write=sharding.is_main())
-    trained_tokens = corpus.tokens[corpus.loss_mask == 1]  # what the heads learn to predict
+    n_train = len(corpus.tokens) - config.data.heldout  # the held-out rows follow the training rows
+    if n_train < t.batch_size:
+        raise data.DataError(
+            f"the corpus holds {n_train} training sequences of {config.data.seq_len} tokens, fewer than one batch "
+            f"of {t.batch_size} (it would be repeated within a batch); add data, or lower train.batch_size "
+            "or data.seq_len"
+        )
+    trained_tokens = corpus.tokens[:n_train][
+        corpus.loss_mask[:n_train] == 1
+    ]  # what the heads learn to predict
     shape = registry.trained(config.method).shape_of(config.heads, cfg, trained_tokens)
     meta = heads.describe(config.method, shape, cfg)
     with sharding.main_first(
@@ -370,14 +379,7 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
         store = _feature_store(config, target, corpus, target_id, taps)
         corpus = data.Corpus(store.tokens, store.loss_mask)
     tokens, loss_mask = corpus
-    heldout = (tokens[len(tokens) - config.data.heldout :], loss_mask[len(tokens) - config.data.heldout :])
-    n_train = len(tokens) - config.data.heldout
-    if n_train < t.batch_size:
-        raise data.DataError(
-            f"the corpus holds {n_train} training sequences of {config.data.seq_len} tokens, fewer than one batch "
-            f"of {t.batch_size} (it would be repeated within a batch); add data, or lower train.batch_size "
-            "or data.seq_len"
-        )
+    heldout = (tokens[n_train:], loss_mask[n_train:])
 
     graphdef, params = heads.new_heads(meta, cfg, target_params, config.seed)
     optimizer = make_optimizer(config.optimizer, t.steps)

@@ -10,7 +10,15 @@ from specjax.errors import CheckpointError
 from specjax.hf_import import import_transformers
 
 # a Hugging Face tokenizer folder's files (with any SentencePiece `*.model` beside them): what it is read from
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 class Tokenizer(Protocol):

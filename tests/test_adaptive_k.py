@@ -417,6 +417,25 @@ def test_one_call_without_rounds_a_repeat_serves_every_k(monkeypatch):
     assert sum(without) == 3 and len(without) == 1 + 3 * 5
 
 
+def test_a_plain_round_timed_above_a_k0_round_costs_a_k0_round(monkeypatch):
+    """A plain round is a K = 0 round without the drafter's call: timed above one (the machine's noise: at batch 16
+    it made a job that should run plain run K = 0 rounds, which start the drafter in every refilled slot), it takes
+    the K = 0 round's cost; timed below, its own."""
+    clock = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+
+    def run(plain_round):
+        def call(measured):
+            rounds, plain = int(measured.rounds), float(measured.plain_cost) == 0.0
+            clock[0] += 1.0 + rounds * (plain_round if plain else (0.03, 0.05)[int(measured.forced)])
+
+        return call
+
+    adaptive = AdaptiveK((0, 1), prior=0.5)
+    assert speculative.measure(adaptive, run(0.035), rounds=8, repeats=3).plain_cost == pytest.approx(0.03)
+    assert speculative.measure(adaptive, run(0.02), rounds=8, repeats=3).plain_cost == pytest.approx(0.02)
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 
 

@@ -39,9 +39,8 @@ class HFTokenizer:
 
     def __init__(self, path: Path):
         self._tok = import_transformers().AutoTokenizer.from_pretrained(str(path))
-        self.files = tuple(path / n for n in HF_FILES if (path / n).exists()) + tuple(
-            sorted(path.glob("*.model"))
-        )
+        found = [path / n for n in HF_FILES if (path / n).exists()]
+        self.files = tuple(found + sorted(path.glob("*.model")))
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
         self.eos_id = self._tok.eos_token_id

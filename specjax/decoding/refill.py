@@ -340,8 +340,8 @@ def _speculative_serve(
         return lambda carry: jax.lax.while_loop(go_on, body, carry)
 
     go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)
-    # a plain job's refills neither tap features nor start the drafter, which it never calls (they cost it 8%
-    # of AR's time at batch 16 of the expanded stories260K)
+    # a plain job's refills neither tap features nor start the drafter, which it never calls (they cost it 9%
+    # of AR's time in a probe at batch 16 of the expanded stories260K)
     loop, start_B, queue = plain_or_drafted(
         spec.adaptive_k, loop.estimate, rounds(plain, begin_plain), rounds(drafted, begin), carry
     )

@@ -364,9 +364,8 @@ def _run(config, workdir, stop_at, stop, mesh, target, tokenizer, target_id, man
             f"of {t.batch_size} (it would be repeated within a batch); add data, or lower train.batch_size "
             "or data.seq_len"
         )
-    trained_tokens = corpus.tokens[:n_train][
-        corpus.loss_mask[:n_train] == 1
-    ]  # what the heads learn to predict
+    # what the heads learn to predict
+    trained_tokens = corpus.tokens[:n_train][corpus.loss_mask[:n_train] == 1]
     shape = registry.trained(config.method).shape_of(config.heads, cfg, trained_tokens)
     meta = heads.describe(config.method, shape, cfg)
     with sharding.main_first(

@@ -21,6 +21,12 @@ HF_FILES = (
 )
 
 
+def files_in(folder: Path) -> list[Path]:
+    """The tokenizer files of a model folder: Hugging Face's, SentencePiece `*.model`, llama2.c `tok*.bin`."""
+    found = [folder / n for n in HF_FILES if (folder / n).exists()]
+    return found + sorted(folder.glob("*.model")) + sorted(folder.glob("tok*.bin"))
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int
@@ -39,8 +45,7 @@ class HFTokenizer:
 
     def __init__(self, path: Path):
         self._tok = import_transformers().AutoTokenizer.from_pretrained(str(path))
-        found = [path / n for n in HF_FILES if (path / n).exists()]
-        self.files = tuple(found + sorted(path.glob("*.model")))
+        self.files = tuple(files_in(path))
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
         self.eos_id = self._tok.eos_token_id

@@ -297,9 +297,8 @@ def _speculative_serve(
             n_out_N=queue.n_out_N.at[queue.request_B].set(n_out),
         )
 
-    def rows_from(
-        start,
-    ):  # `refill`'s new_row: a prompt's row of state from `start` (`begin` or `begin_plain`)
+    # `refill`'s new_row: a prompt's row of state from `start` (`begin` or `begin_plain`)
+    def rows_from(start):
         def new_row(prompt):
             cache_1, first_1, drafter_1, seq_1 = start_row(start, tokens_NP, lengths_N, prompt)
             return (cache_1, drafter_1, seq_1, lengths_N[prompt]), first_1[0]

@@ -415,9 +415,8 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
         seen = [c for c in costs if c > 0]
         costs = [c if c > 0 else min(seen, default=1.0) for c in costs]
         adaptive = dataclasses.replace(adaptive, costs=tuple(costs[: len(adaptive.ks)]))
-        if (
-            plain
-        ):  # a plain round does a K = 0 round's work but the drafter's: timed above that, it is noise
+        # a plain round does a K = 0 round's work but the drafter's: timed above that, it is noise
+        if plain:
             adaptive = dataclasses.replace(adaptive, plain_cost=min(costs[-1], costs[0]))
     return agreed(adaptive)
 

@@ -20,7 +20,7 @@ from specjax.models import store
 from specjax.models.config import ConfigError, LlamaConfig
 from specjax.models.weights import CheckpointError, params_from_hf, read_llama2c, read_safetensors
 from specjax.sharding import leaf_placer, llama_shardings, place
-from specjax.tokenizer import HF_FILES, HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer
+from specjax.tokenizer import HFTokenizer, Llama2cTokenizer, SentencePieceTokenizer, Tokenizer, files_in
 
 DEFAULT_MODEL = "stories260K"
 HUB_REPO, HUB_FILES = "karpathy/tinyllamas", ("stories260K/stories260K.bin", "stories260K/tok512.model")
@@ -174,9 +174,4 @@ def load_model(name: str | None = None, dtype: str = "float32", mesh=None) -> Lo
 
 def tokenizer_files(path: Path) -> list[Path]:
     """The tokenizer files of a model directory or llama2.c checkpoint (for copying into a checkpoint)."""
-    folder = path if path.is_dir() else path.parent
-    return (
-        [folder / n for n in HF_FILES if (folder / n).exists()]
-        + sorted(folder.glob("*.model"))
-        + sorted(folder.glob("tok*.bin"))
-    )
+    return files_in(path if path.is_dir() else path.parent)

@@ -11,10 +11,12 @@ of runs timed in turns), loop rounds, each request's latency (the time of the ro
 run's mean time per round; p50 and p90), and the prediction of `specjax.analysis`: rounds from each request's tokens
 and its own acceptance (as decoded batch after batch: greedy, the same drafts in both modes; batch after batch,
 each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the costs measured
-at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills),
-against the measured time; and the drafters' rounds priced at the speculative loop's own round at that batch
-(everything a round does besides its passes: acceptance, the commit, the head's state, n-gram's lookup). The
-policy's rounds change K: it has no prediction.
+at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills)
+in the same turns as the decodes (a turn's prediction against that turn's time: the machine's speed drifts by 10-30%
+between minutes; each pass the median of 3 timed loops after an untimed one: the fastest predicted 10-15% too little
+at batch 1, and a loop's first call after another program runs slower), against the measured time; and the
+drafters' rounds priced at the speculative loop's own round at that batch (everything a round does besides its
+passes: acceptance, the commit, the head's state, n-gram's lookup). The policy's rounds change K: it has no prediction.
 
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
@@ -117,45 +119,62 @@ def refilled(target, prompts, spec, slots: int, drafter, dparams):
 BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
 
 
-def round_costs(settings: Settings, target, loaded, prompts, spec, b: int, drafters: dict) -> dict:
-    """Seconds of a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call and a prefill of the prompts' width
-    at batch b, and the refilled slots' one-row prefills (`refills`), timed in turns (`costs`), each with the static
-    cache its job has (attention reads the whole cache); and `("loop_round", method)` for each of `drafters`
-    ({method: (drafter, params)}), one round of its speculative loop itself on the first b prompts (every step a
-    round takes, not only its passes): the loop with adaptive K over this K alone, timed by `speculative.calibrate`
-    (rounds from the start of the job less a call running none)."""
+def pass_loops(settings: Settings, target, loaded, prompts, spec, b: int, eagle3) -> dict:
+    """{name: a loop of `settings.calls` passes}: a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call
+    and a prefill of the prompts' width at batch b, and a one-row prefill of each width a refilled slot uses
+    (`("prefill_1", width)`), each with the static cache its job has (attention reads the whole cache)."""
     from experiments.bench_memory_bound import head_call
     from specjax.decoding import AdaptiveK, refill
     from specjax.decoding.jobs import prepare, prepare_speculative
-    from specjax.decoding.speculative import calibrate
 
     cfg, graphdef, params = target
     width, k, calls = max(map(len, prompts)), settings.k, settings.calls
     ar_cache = prepare(cfg, prompts, spec, width)[2].cache_size  # as batch after batch pads the jobs
     one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
-    one_k = prepare_speculative(cfg, drafters["eagle3"][0], prompts[:b], one_k, width)[2]  # its cache size
+    spec_cache = prepare_speculative(cfg, eagle3, prompts[:b], one_k, width)[2].cache_size
     widths = refill.prefill_widths(prepare(cfg, prompts, spec)[0].shape[1])  # of the refill job's buffer
     passes = {  # name: (rows, tokens, cache)
         "step": (b, 1, ar_cache),
-        "verify": (b, k + 1, one_k.cache_size),
+        "verify": (b, k + 1, spec_cache),
         "prefill": (b, width, ar_cache),
     } | {("prefill_1", w): (1, w, ar_cache) for w in widths}
     multi_row, fns = costs.on_cpu_multi_row(graphdef, params), {}
     for name, (rows, t, size) in passes.items():
         g, p = costs.as_decoded(rows * t, (graphdef, params), multi_row)
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
-    fns["head"] = head_call(loaded, "eagle3", target, b, calls, one_k.cache_size)
-    cost = {name: s / calls for name, s in costs.fastest(fns, max(settings.repeats, 5)).items()}
-    # each refilled prompt's one-row prefill, at the narrowest width that holds it (`refill.start_row`)
+    fns["head"] = head_call(loaded, "eagle3", target, b, calls, spec_cache)
+    return fns
+
+
+def priced(seconds: dict, settings: Settings, prompts, b: int) -> dict:
+    """The costs of one turn from its `pass_loops` times: seconds of each pass, and `refills`, the refilled
+    prompts' one-row prefills, each at the narrowest width that holds it (`refill.start_row`)."""
+    cost = {name: s / settings.calls for name, s in seconds.items()}
+    widths = sorted(name[1] for name in cost if isinstance(name, tuple))
     at = np.searchsorted(widths, [len(p) for p in prompts[b:]])
     cost["refills"] = sum(cost["prefill_1", widths[i]] for i in at)
+    return cost
+
+
+def loop_rounds(settings: Settings, target, prompts, spec, b: int, drafters: dict) -> dict:
+    """{method: seconds of one round of its speculative loop} for each of `drafters` ({method: (drafter,
+    params)}) on the first b prompts (every step a round takes, not only its passes): the loop with adaptive K over
+    K alone, timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
+    from specjax.decoding import AdaptiveK
+    from specjax.decoding.jobs import prepare_speculative
+    from specjax.decoding.speculative import calibrate
+
+    cfg, graphdef, params = target
+    width, k = max(map(len, prompts)), settings.k
+    one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
     # the loop's target as compile_decode runs a drafter's job
-    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), multi_row)
+    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), costs.on_cpu_multi_row(graphdef, params))
+    out = {}
     for method, (drafter, dparams) in drafters.items():
         tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
         loop = calibrate(cfg, g, p, *drafter_layout(drafter, dparams), tokens, lengths, job)
-        cost["loop_round", method] = loop.adaptive_k.costs[0]
-    return cost
+        out[method] = loop.adaptive_k.costs[0]
+    return out
 
 
 def request_distributions(request_hist: np.ndarray) -> list[np.ndarray]:
@@ -234,9 +253,24 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
 
         return call
 
-    times = harness.interleaved_times({key: recorded(key) for key in fns}, settings.repeats, settle=False)
+    # the passes timed in the same turns as the decodes: each turn's prediction sees the machine its decodes saw
+    passes = pass_loops(settings, target, loaded, prompts, spec, b, drafters["eagle3"][0])
+    pass_times = {name: [] for name in passes}
+
+    def time_passes():  # each settled (the first call after another program's runs slower), a median of 3
+        for name, fn in passes.items():
+            pass_times[name].append(harness.median_time(fn, 3))
+
+    timed = {key: recorded(key) for key in fns} | {"passes": time_passes}
+    times = harness.interleaved_times(timed, settings.repeats, settle=False)
+    turns = [  # the last `repeats` calls of time_passes: the timed turns' (the first is the warm-up's)
+        priced({name: pass_times[name][r - settings.repeats] for name in passes}, settings, prompts, b)
+        for r in range(settings.repeats)
+    ]
+    passes.clear()  # the loops' programs and caches freed with the decodes'
+    timed.clear()
     jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
-    cost = round_costs(settings, target, loaded, prompts, spec, b, drafters)
+    loop_round = loop_rounds(settings, target, prompts, spec, b, drafters)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():
@@ -251,20 +285,24 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         row |= dict(
             latency_p50_s=float(np.median(latency)), latency_p90_s=float(np.percentile(latency, 90))
         )
-        rounds, predicted_s, loop_s, over = (np.nan,) * 4
+        rounds, predicted_s, over, over_loop, loop_over_passes = (np.nan,) * 5
         # each request's acceptance, from its decoding batch after batch (greedy: the same drafts in both modes)
         hist = runs[(method, "batch after batch")].request_hist
-        if method != "policy":
-            rounds, predicted_s = predicted_seconds(method, mode, run, b, settings.k, cost, None, hist)
-        if method in drafters:  # priced at the loop's own round
-            loop_round = cost["loop_round", method]
-            loop_s = predicted_seconds(method, mode, run, b, settings.k, cost, loop_round, hist)[1]
-            over = loop_round / passes_seconds(method, settings.k, cost)
-        row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
-        row |= dict(
-            measured_over_predicted=predicted_s / seconds, measured_over_loop_predicted=loop_s / seconds
+        predict = lambda cost, round_s=None: predicted_seconds(
+            method, mode, run, b, settings.k, cost, round_s, hist
         )
-        row |= dict(loop_round_over_passes=over, identical=bool(same))
+        if method != "policy":
+            rounds = predict(turns[0])[0]
+            each = [predict(cost)[1] for cost in turns]
+            predicted_s, over = statistics.median(each), harness.ratio(each, times[(method, mode)])
+        if method in drafters:  # priced at the loop's own round
+            loop_each = [predict(cost, loop_round[method])[1] for cost in turns]
+            over_loop = harness.ratio(loop_each, times[(method, mode)])
+            passes_s = statistics.median(passes_seconds(method, settings.k, cost) for cost in turns)
+            loop_over_passes = loop_round[method] / passes_s
+        row |= dict(predicted_rounds=rounds, predicted_tok_s=run.lengths.sum() / predicted_s)
+        row |= dict(measured_over_predicted=over, measured_over_loop_predicted=over_loop)
+        row |= dict(loop_round_over_passes=loop_over_passes, identical=bool(same))
         hist = [] if run.stats is None else np.asarray(run.stats.k_hist).tolist()  # row-rounds by K
         row["rounds_by_k"] = " ".join(f"K={k}:{c}" for k, c in enumerate(hist) if c) or "-"
         rows.append(row)
@@ -292,7 +330,8 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         "job plain), batch after batch and refilled; "
         f"medians of {settings.repeats} runs in turns; latency: the time of the round that made a request's last "
         "token; predicted: rounds from each request's own acceptance (specjax.analysis) x the round's cost measured "
-        "at that batch, plus the prefills; measured_over_predicted = predicted time / measured time; *_loop_*: a "
+        "at that batch in the same turns, plus the prefills; measured_over_predicted = median over turns of "
+        "predicted time / measured time; *_loop_*: a "
         "round priced at the speculative loop's own round at that batch (timed from the start of the first batch's "
         "job), loop_round_over_passes = that round / its passes",
     )

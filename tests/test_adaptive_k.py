@@ -408,13 +408,35 @@ def test_one_call_without_rounds_a_repeat_serves_every_k(monkeypatch):
     def call(measured):
         rounds, plain = int(measured.rounds), float(measured.plain_cost) == 0.0
         without.append(rounds == 0)
-        clock[0] += 1.0 + rounds * (0.02 if plain else per_round[int(measured.forced)])
+        clock[0] += 0.1 + rounds * (0.02 if plain else per_round[int(measured.forced)])
 
     measured = speculative.measure(AdaptiveK((0, 1, 2), prior=0.5), call, rounds=8, repeats=3)
     assert measured.costs == pytest.approx((0.03, 0.04, 0.05))
     assert measured.plain_cost == pytest.approx(0.02)
     # the prior's call, then a repeat: one call without rounds, one per K and one plain
     assert sum(without) == 3 and len(without) == 1 + 3 * 5
+
+
+def test_rounds_that_take_less_than_half_a_call_without_rounds_are_timed_again_with_more(monkeypatch):
+    """A call's noise grows with its length: where its fixed part (the prefill) is 1 s, 8 rounds of 0.02 s (0.16 s)
+    are timed again with 32 (0.64 s) and no more; beside a fixed part of 0.1 s (the control), 8 rounds are enough."""
+    clock = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+
+    def rounds_timed(fixed: float) -> set:
+        seen = set()
+
+        def call(measured):
+            rounds = int(measured.rounds)
+            seen.add(rounds)
+            clock[0] += fixed + rounds * (0.02, 0.03)[int(measured.forced)]
+
+        costs = speculative.measure(AdaptiveK((1, 2), prior=0.5), call, rounds=8, repeats=3).costs
+        assert costs == pytest.approx((0.02, 0.03))
+        return seen
+
+    assert rounds_timed(1.0) == {0, 8, 32}
+    assert rounds_timed(0.1) == {0, 8}
 
 
 def test_a_plain_round_timed_above_a_k0_round_costs_a_k0_round(monkeypatch):

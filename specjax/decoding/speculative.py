@@ -376,13 +376,16 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
     loop; its SpecStats). Costs: per K (and, with K = 0 in the set, per plain round: `AdaptiveK.plain_cost`), the
     median over `repeats` of the time of a call running `rounds` rounds at that K less that of a call running none
     (the prefill and the call's overhead: one such call a repeat, shared by every K, whose program does the same work
-    before its first round), divided by `rounds` (where noise hid a cost, <= 0, again with 4x then 16x the rounds; a
-    cost still hidden takes the least one measured, every cost alike where none showed). The defaults cost a tenth
-    of 32 rounds x 9 repeats (EAGLE-3 on the expanded stories260K, K in 0, 1, 2, 4, 8: 3.1 s against 29.5 s at batch
-    1, 8 s against 71 s at batch 8) and their costs over a plain round's differed from those by no more than two runs
-    of 32 x 9 differed from each other (up to 8%); that was with a call running none for every K, which the shared one
-    cut from 28-32 s to 19-20 s (batch 4, prompts of up to 52 tokens, K in 0, 1, 2, 4; three of each in turns on a
-    Zen 1 host: the costs over a plain round's spread alike, 1.46-1.66 and 1.48-1.62 at K = 1).
+    before its first round), divided by `rounds`; again with 4x then 16x the rounds where noise hid a cost (<= 0) or
+    the cheapest K's rounds took less than half the call running none (at batch 16 of the expanded stories260K, a
+    1 s prefill beside 8 rounds of 26-107 ms: three calibrations put K = 1's round at 40-57 ms and a plain one at
+    21-30, and one of them chose K = 1 rounds where the other two ran plain; with 32 rounds, 47-49 and 24-27, all
+    plain); a cost still hidden takes the least one measured, every cost alike where none showed. The defaults cost
+    a tenth of 32 rounds x 9 repeats (EAGLE-3 on the expanded stories260K, K in 0, 1, 2, 4, 8: 3.1 s against 29.5 s
+    at batch 1, 8 s against 71 s at batch 8) and their costs over a plain round's differed from those by no more
+    than two runs of 32 x 9 differed from each other (up to 8%); that was with a call running none for every K, which
+    the shared one cut from 28-32 s to 19-20 s (batch 4, prompts of up to 52 tokens, K in 0, 1, 2, 4; three of each
+    in turns on a Zen 1 host: the costs over a plain round's spread alike, 1.46-1.66 and 1.48-1.62 at K = 1).
     Prior: the acceptance rate of all draft positions over `rounds` rounds at the largest K (kept within
     [0.05, 0.95]). With several processes, all take process 0's measurements (`agreed`)."""
     if adaptive.costs is not None and adaptive.prior is not None:
@@ -403,13 +406,15 @@ def measure(adaptive: AdaptiveK, run, rounds=8, repeats=3) -> AdaptiveK:
         plain = adaptive.ks[0] == 0 and adaptive.plain_cost is None
         runs = [(i, False) for i in range(len(adaptive.ks))] + [(0, True)] * plain
         for n in (rounds, 4 * rounds, 16 * rounds):  # more rounds where the machine's noise hid their cost
-            per_round = [[] for _ in runs]
+            per_round, fixed = [[] for _ in runs], []
             for _ in range(repeats):  # each in turn: a drifting machine speed reaches all alike
-                before = seconds(0, 0, False)
+                fixed.append(seconds(0, 0, False))
                 for (i, as_plain), t in zip(runs, per_round):
-                    t.append((seconds(i, n, as_plain) - before) / n)
+                    t.append((seconds(i, n, as_plain) - fixed[-1]) / n)
             costs = [float(np.median(t)) for t in per_round]
-            if min(costs) > 0:
+            # the noise of a call grows with its length: rounds that took less than half its fixed part are
+            # timed again with more
+            if min(costs) > 0 and n * min(costs) >= np.median(fixed) / 2:
                 break
         # a cost the noise still hides takes the least one measured (every cost alike where none was)
         seen = [c for c in costs if c > 0]

@@ -119,10 +119,11 @@ def refilled(target, prompts, spec, slots: int, drafter, dparams):
 BUILD = {"batch after batch": batch_after_batch, "refill": refilled}  # mode -> run(seed) of every prompt
 
 
-def pass_loops(settings: Settings, target, loaded, prompts, spec, b: int, eagle3) -> dict:
+def pass_loops(settings: Settings, target, multi_row, loaded, prompts, spec, b: int, eagle3) -> dict:
     """{name: a loop of `settings.calls` passes}: a 1-token and a (K + 1)-token target pass, an EAGLE-3 head call
     and a prefill of the prompts' width at batch b, and a one-row prefill of each width a refilled slot uses
-    (`("prefill_1", width)`), each with the static cache its job has (attention reads the whole cache)."""
+    (`("prefill_1", width)`), each with the static cache its job has (attention reads the whole cache); `multi_row`:
+    the target's multi-row copy (`costs.on_cpu_multi_row`)."""
     from experiments.bench_memory_bound import head_call
     from specjax.decoding import AdaptiveK, refill
     from specjax.decoding.jobs import prepare, prepare_speculative
@@ -138,7 +139,7 @@ def pass_loops(settings: Settings, target, loaded, prompts, spec, b: int, eagle3
         "verify": (b, k + 1, spec_cache),
         "prefill": (b, width, ar_cache),
     } | {("prefill_1", w): (1, w, ar_cache) for w in widths}
-    multi_row, fns = costs.on_cpu_multi_row(graphdef, params), {}
+    fns = {}
     for name, (rows, t, size) in passes.items():
         g, p = costs.as_decoded(rows * t, (graphdef, params), multi_row)
         fns[name] = costs.target_pass(cfg, g, p, rows, t, calls, size)
@@ -156,7 +157,7 @@ def priced(seconds: dict, settings: Settings, prompts, b: int) -> dict:
     return cost
 
 
-def loop_rounds(settings: Settings, target, prompts, spec, b: int, drafters: dict) -> dict:
+def loop_rounds(settings: Settings, target, multi_row, prompts, spec, b: int, drafters: dict) -> dict:
     """{method: seconds of one round of its speculative loop} for each of `drafters` ({method: (drafter,
     params)}) on the first b prompts (every step a round takes, not only its passes): the loop with adaptive K over
     K alone, timed by `speculative.calibrate` (rounds from the start of the job less a call running none)."""
@@ -168,7 +169,7 @@ def loop_rounds(settings: Settings, target, prompts, spec, b: int, drafters: dic
     width, k = max(map(len, prompts)), settings.k
     one_k = dataclasses.replace(spec, adaptive_k=AdaptiveK((k,), prior=0.5))
     # the loop's target as compile_decode runs a drafter's job
-    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), costs.on_cpu_multi_row(graphdef, params))
+    g, p = costs.as_decoded(b * (k + 1), (graphdef, params), multi_row)
     out = {}
     for method, (drafter, dparams) in drafters.items():
         tokens, lengths, job = prepare_speculative(cfg, drafter, prompts[:b], one_k, width)
@@ -254,7 +255,8 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         return call
 
     # the passes timed in the same turns as the decodes: each turn's prediction sees the machine its decodes saw
-    passes = pass_loops(settings, target, loaded, prompts, spec, b, drafters["eagle3"][0])
+    multi_row = costs.on_cpu_multi_row(*target[1:])  # packed once, for the passes and the loop's rounds
+    passes = pass_loops(settings, target, multi_row, loaded, prompts, spec, b, drafters["eagle3"][0])
     pass_times = {name: [] for name in passes}
 
     def time_passes():  # each settled (the first call after another program's runs slower), a median of 3
@@ -270,7 +272,7 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
     passes.clear()  # the loops' programs and caches freed with the decodes'
     timed.clear()
     jax.clear_caches()  # the programs freed (XLA CPU maps each until then)
-    loop_round = loop_rounds(settings, target, prompts, spec, b, drafters)
+    loop_round = loop_rounds(settings, target, multi_row, prompts, spec, b, drafters)
     first = next(iter(runs.values()))
     rows = []
     for (method, mode), run in runs.items():

@@ -33,6 +33,7 @@ from experiments.suffix_table import PROMPTS
 from specjax import cli
 from specjax.decoding import compile_decode
 from specjax.drafters import suffix
+from specjax.drafting.layouts import best_length
 from specjax.errors import SuffixError
 from specjax.sampling import Sampler
 
@@ -128,7 +129,7 @@ def specjax_replay(target, requests, shared: bool, nodes: int) -> float:
         d = jax.device_get(draft(store or empty, text, np.array([len(prompt + done)])))
         if nodes:  # node i + 1 under node parent[i + 1] (0: the root)
             return d.tokens[0].tolist(), (np.asarray(d.layout.parent)[0, 1:] - 1).tolist()
-        n = d.lengths[int(d.choice)]
+        n = d.lengths[int(best_length(d.scores, np.ones(1, bool)))]
         return d.tokens[0, :n].tolist(), list(range(-1, n - 1))
 
     learn = lambda store, p, o: drafter.absorb(store or empty, [p + o])

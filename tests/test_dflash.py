@@ -25,6 +25,7 @@ from specjax.drafters.dflash import (
     paper_layers,
 )
 from specjax.drafting import registry
+from specjax.drafting.layouts import best_length
 from specjax.drafting.trees import DynamicTree, balanced
 from specjax.errors import HeadsError
 from specjax.metrics import summarize
@@ -336,8 +337,12 @@ class VaryingChoice(DFlash):
     """A confidence-sized drafter whose choice varies from round to round with the block (whatever the head's
     scores), so the tests see every branch of the compiled round."""
 
-    def choose(self, confidence_BK2):
-        return (jnp.sum(jnp.abs(confidence_BK2)) * 1e3).astype(jnp.int32) % len(self.verify_lengths)
+    def gains(self, confidence_BK2):
+        choice = (jnp.sum(jnp.abs(confidence_BK2)) * 1e3).astype(jnp.int32) % len(self.verify_lengths)
+        rows = confidence_BK2.shape[0]
+        return jnp.broadcast_to(
+            jax.nn.one_hot(choice, len(self.verify_lengths)), (rows, len(self.verify_lengths))
+        )
 
 
 def confident(cfg, params, seed=3):
@@ -358,18 +363,28 @@ def confident(cfg, params, seed=3):
 
 
 def test_the_choice_maximises_expected_tokens_per_cost():
+    """The verified length maximises the live rows' mean expected tokens per cost; a row that has ended does not
+    size the round (here it would: both rows together choose 7 tokens, the second alone 2)."""
     d = DFlash(TINY, None, 7, Sampler(), has_confidence=True, verify_cost=0.1)
     assert d.verify_lengths == (2, 4, 7)
     p = np.array([[0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], [0.9, 0.8, 0.1, 0.5, 0.5, 0.5, 0.5]])
-    for rows, sampler_column in (([0], 0), ([1], 0), ([0, 1], 0), ([1], 1)):
+    cases = [([0], [True], 0), ([1], [True], 0), ([0, 1], [True, True], 0), ([1], [True], 1)]
+    cases.append(([0, 1], [False, True], 0))
+    chosen = []
+    for rows, live, sampler_column in cases:
         conf = np.zeros((len(rows), 7, 2), np.float32)
         conf[..., sampler_column] = np.log(p[rows] / (1 - p[rows]))  # logits of p
         sampler = Sampler() if sampler_column == 0 else Sampler(1.0)
-        choice = int(dataclasses.replace(d, sampler=sampler).choose(jnp.asarray(conf)))
+        gains_BM = dataclasses.replace(d, sampler=sampler).gains(jnp.asarray(conf))
+        choice = int(best_length(gains_BM, jnp.asarray(live)))
+        counted = [r for r, alive in zip(rows, live) if alive]
         gains = [
-            np.mean(1 + np.cumsum(np.cumprod(p[rows], 1), 1)[:, m - 1]) / (1 + 0.1 * m) for m in (2, 4, 7)
+            np.mean(1 + np.cumsum(np.cumprod(p[counted], 1), 1)[:, m - 1]) / (1 + 0.1 * m)
+            for m in (2, 4, 7)
         ]
-        assert choice == int(np.argmax(gains)), (rows, gains)
+        assert choice == int(np.argmax(gains)), (rows, live, gains)
+        chosen.append(d.verify_lengths[choice])
+    assert chosen[2] == 7 and chosen[4] == 2  # the control: live, the first row would make it 7
     assert dataclasses.replace(d, confidence=False).verify_lengths == ()
     assert dataclasses.replace(d, tree=balanced(2, 7)).verify_lengths == ()  # trees verify whole
 
@@ -422,10 +437,10 @@ def test_a_sampled_round_verifies_a_length_chosen_from_its_context_alone():
     chosen, from_samples, drafts = set(), set(), set()
     for seed in range(24):
         draft = d.propose(dparams, state, tokens, n, jax.random.key(seed))[0]
-        chosen.add(int(draft.choice))
+        chosen.add(int(best_length(draft.scores, jnp.ones(1, bool))))
         drafts.add(tuple(np.asarray(draft.tokens[0]).tolist()))
         sampled = jnp.concatenate([tokens[:, 6:], draft.tokens[:, :-1]], 1)
-        from_samples.add(int(d.choose(head.acceptance(x, sampled))))
+        from_samples.add(int(best_length(d.gains(head.acceptance(x, sampled)), jnp.ones(1, bool))))
     assert len(drafts) > 12 and len(chosen) == 1
     assert len(from_samples) > 1  # the control
 

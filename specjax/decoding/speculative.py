@@ -20,7 +20,7 @@ from specjax import precision, sharding
 from specjax.decoding.adaptive import AdaptiveK
 from specjax.decoding.jobs import GenerateSpec, job_key, prepare_speculative
 from specjax.decoding.prefill import prefill
-from specjax.drafting.layouts import ChainLayout, Draft, Verification
+from specjax.drafting.layouts import ChainLayout, Draft, Verification, best_length
 from specjax.drafting.protocol import feature_taps, propose
 from specjax.metrics import summarize
 from specjax.models.config import LlamaConfig
@@ -176,11 +176,12 @@ def speculative_round(
     checked = lambda d, lp: verify_and_commit(
         graphdef, params, spec, drafter, d, pending, cache, k_accept, lp, limit_B, backlog
     )
-    if draft.choice is None:
+    if draft.scores is None:
         loop, n_accepted, path, feats, feedback = checked(draft, loop)
     else:  # the verified prefix chosen on device: one compiled branch per length
         branches = [functools.partial(lambda k, lp: checked(draft.prefix(k), lp), k) for k in draft.lengths]
-        loop, n_accepted, path, feats, feedback = jax.lax.switch(draft.choice, branches, loop)
+        choice = best_length(draft.scores, ~loop.done_B)
+        loop, n_accepted, path, feats, feedback = jax.lax.switch(choice, branches, loop)
     drafter_state = drafter.commit(
         drafter_params, drafter_state, n_accepted, loop.n_tokens_B, path, feats, **feedback
     )

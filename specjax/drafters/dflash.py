@@ -356,16 +356,17 @@ class DFlash(KOrTree):
             )
             previous = jnp.concatenate([pending, greedy.tokens[:, :-1]], 1)
             confidence = head.acceptance(x[:, 1:], previous)
-            draft = draft.replace(lengths=self.verify_lengths, choice=self.choose(confidence))
+            draft = draft.replace(lengths=self.verify_lengths, scores=self.gains(confidence))
         return draft, DFlashState(cache, state.taps)
 
-    def choose(self, confidence_BK2):
-        """Index of the verified length maximising the batch's mean expected tokens per round over its cost,
-        (1 + sum over i <= m of P(positions 1..i accepted)) / (1 + verify_cost x m)."""
+    def gains(self, confidence_BK2):
+        """[B, len(verify_lengths)] each row's expected tokens per round over the round's cost when the first m
+        tokens are verified, (1 + sum over i <= m of P(positions 1..i accepted)) / (1 + verify_cost x m): the round
+        verifies the length of the best mean over the live rows."""
         c = jax.nn.sigmoid(confidence_BK2[..., 0 if self.sampler.greedy else 1])
         expected = 1 + jnp.cumsum(jnp.cumprod(c, axis=1), axis=1)  # [B, K]: verifying m tokens, at m - 1
         m = jnp.asarray(self.verify_lengths)
-        return jnp.argmax(jnp.mean(expected[:, m - 1] / (1 + self.verify_cost * m), axis=0))
+        return expected[:, m - 1] / (1 + self.verify_cost * m)
 
     def commit(self, params, state: DFlashState, n_accepted_B, n_tokens_B, path_BD, feats_BDH):
         return state.replace(taps=feats_BDH[..., : self.taps_width])

@@ -14,7 +14,7 @@ Per row with `L` tokens (`x[L-1]` pending), the searched text is [store ; every 
   the mean of those continuations' next-token distributions as the target gave them when the store learned them
   (a continuation in the batch's own text: a point mass on its token), the expected frequencies in place of the
   sampled ones;
-- the round verifies the shortest of `lengths` (1, 2, 4, ..., K) that covers the batch's longest most-frequent
+- the round verifies the shortest of `lengths` (1, 2, 4, ..., K) that covers the live rows' longest most-frequent
   path whose empirical probability stays >= `min_prob`, capped at ceil(`spec_factor` n) tokens (SuffixDecoding's
   speculation length). The choice reads only the most-frequent paths, never a sampled token;
 - tree (`nodes` > 0): the `nodes` continuation prefixes of largest empirical probability (the share of the
@@ -324,8 +324,10 @@ class Suffix:
             return draft, jnp.zeros(n.shape, jnp.float32)
         tokens, probs, _ = frequent_path(cont, read, last, self.k)
         covered = jnp.sum(probs >= self.min_prob, axis=1)
-        want = jnp.max(jnp.minimum(covered, jnp.ceil(self.spec_factor * n).astype(jnp.int32)))
-        choice = jnp.sum(jnp.asarray(self.lengths) < want)  # the shortest length >= want (the first if 0)
+        want = jnp.minimum(covered, jnp.ceil(self.spec_factor * n).astype(jnp.int32))
+        # the shortest length that every live row's wanted tokens fit in (the first if none wants any): a row scores
+        # -1 where its tokens do not fit
+        short = -(jnp.asarray(self.lengths)[None] < want[:, None]).astype(jnp.float32)
         q = None
         expected = expected_accepted(cont, read, tokens)
         if self.frequencies:
@@ -334,7 +336,7 @@ class Suffix:
                 continuation_distributions(params, ends, cont, self.sampler) if self.distributions else None
             )
             tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size, dists)
-        draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, choice=choice)
+        draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, scores=short)
         return draft, expected
 
     def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):

@@ -23,14 +23,21 @@ class Draft:
     )  # [B, K|N, V] warped distribution each token was drawn from; None: deterministic
     layout: ChainLayout | TreeLayout
     without_replacement: bool = struct.field(pytree_node=False, default=False)  # tree siblings drawn so
-    # a chain whose verified prefix is chosen on device: `choice` [] indexes the static `lengths`
+    # a chain whose verified prefix is chosen on device: `scores` [B, len(lengths)] rates each static length for
+    # each row, and the round verifies the length the live rows rate best together (`best_length`)
     lengths: tuple[int, ...] = struct.field(pytree_node=False, default=())
-    choice: jax.Array | None = None
+    scores: jax.Array | None = None
 
     def prefix(self, k: int) -> Draft:
         """The chain's first k tokens as a draft of its own."""
         q = None if self.q_probs is None else self.q_probs[:, :k]
         return Draft(self.tokens[:, :k], q, ChainLayout(k))
+
+
+def best_length(scores_BM, live_B) -> jax.Array:
+    """[] index of the length whose scores summed over the live rows are highest (the first on ties): rows that have
+    ended, whose drafts are never verified, do not size the round."""
+    return jnp.argmax(jnp.sum(jnp.where(live_B[:, None], scores_BM, 0.0), axis=0))
 
 
 @struct.dataclass

@@ -14,7 +14,7 @@ from helpers import TARGET, greedy_case
 from tolerance import assert_close, assert_far, forward_depth
 
 from specjax import heads, verify_exactness
-from specjax.decoding import speculative_generate
+from specjax.decoding import generate, speculative_generate
 from specjax.drafters.dflash import (
     DFlash,
     choose_anchors,
@@ -396,6 +396,32 @@ def test_confidence_sized_rounds_equal_ar():
     np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
     chosen = np.flatnonzero(gen.stats.k_hist)  # rounds by verified length
     np.testing.assert_array_equal(chosen, [2, 4, 7])
+
+
+class FirstRowLong(DFlash):
+    """The first row rates the longest verified length best, the others the shortest (by less)."""
+
+    def gains(self, confidence_BK2):
+        m = len(self.verify_lengths)
+        first = jnp.arange(confidence_BK2.shape[0])[:, None] == 0
+        return jnp.where(first, jax.nn.one_hot(m - 1, m), 0.1 * jax.nn.one_hot(0, m))
+
+
+def test_a_row_that_has_ended_does_not_size_the_round():
+    """Greedy, the first row ends at an EOS the others emit later: while it is live every round verifies the
+    length it rates best (the longest), after it ended the shortest, which the others rate best."""
+    cfg, graphdef, params, prompts, spec, ar = greedy_case("tiny", None)
+    first_at = lambda row, t: next((i for i, x in enumerate(row) if x == t), len(row))
+    eos = next(int(t) for t in ar[0, 2:] if all(first_at(r, t) > first_at(ar[0], t) + 8 for r in ar[1:]))
+    spec = dataclasses.replace(spec, eos_id=eos)
+    d, dparams = confident(cfg, params)(7, Sampler())
+    d = FirstRowLong(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)})
+    gen = speculative_generate(cfg, graphdef, params, d, dparams, prompts, spec)
+    np.testing.assert_array_equal(gen.tokens, generate(cfg, graphdef, params, prompts, spec).tokens)
+    by_length = np.asarray(gen.stats.k_hist)
+    first_row_rounds = int(np.asarray(gen.stats.row_hist)[0].sum())
+    assert by_length[7] == len(prompts) * first_row_rounds and by_length[2] > 0
+    assert by_length.sum() == by_length[2] + by_length[7]
 
 
 def test_confidence_sized_sampling_is_exact(monkeypatch):

@@ -327,7 +327,7 @@ class Suffix:
         want = jnp.minimum(covered, jnp.ceil(self.spec_factor * n).astype(jnp.int32))
         # the shortest length that every live row's wanted tokens fit in (the first if none wants any): a row scores
         # -1 where its tokens do not fit
-        short = -(jnp.asarray(self.lengths)[None] < want[:, None]).astype(jnp.float32)
+        scores = -(jnp.asarray(self.lengths)[None] < want[:, None]).astype(jnp.float32)
         q = None
         expected = expected_accepted(cont, read, tokens)
         if self.frequencies:
@@ -336,7 +336,7 @@ class Suffix:
                 continuation_distributions(params, ends, cont, self.sampler) if self.distributions else None
             )
             tokens, _, q = frequent_path(cont, read, last, self.k, uniform, self.vocab_size, dists)
-        draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, scores=short)
+        draft = Draft(tokens, q, Chain(self.k).layout(tokens.shape[0]), lengths=self.lengths, scores=scores)
         return draft, expected
 
     def commit(self, params, state, n_accepted_B, n_tokens_B, path_BD, feats_BDH):

@@ -279,6 +279,27 @@ def test_a_job_runs_plain_where_a_plain_round_wins_from_its_start(right_then_wro
     assert hists[None] == hists[1.5] and sum(hists[None]) < 63 * 4 * 2 / 3, hists
 
 
+def test_a_job_turns_plain_where_its_acceptance_falls_below_what_a_plain_round_pays(right_then_wrong):
+    """Drafts right for each row's first 8 tokens, then wrong. At a prior of 0.6, K = 1 (1.6 tokens for 1.2) beats a
+    plain round at 0.9, so the job drafts; once the measured acceptance makes a plain round beat the K = 1 the loop
+    would still draft (a K = 0 round, 1 for 1, is worse than both), it runs plain to its end. Without a plain round,
+    or with one that costs a K = 0 round's (where the loop would sooner run K = 0 rounds, keeping the drafter in step),
+    it drafts K = 1 longer. Greedy output is AR's every way."""
+    graphdef, params = TARGET
+    spec, ar, greedy, lengths = ar_and_greedy()
+    dparams = (jnp.asarray(greedy), jnp.asarray(lengths + 8))
+    drafter = right_then_wrong.build(None, None, 8, None, None)[0]
+    drafted = {}
+    for plain_cost in (None, 0.9, 1.0):
+        adaptive = AdaptiveK((0, 1, 8), (1.0, 1.2, 2.6), prior=0.6, plain_cost=plain_cost)
+        gen = speculative_generate(
+            TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec, adaptive)
+        )
+        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
+        drafted[plain_cost] = int(np.asarray(gen.stats.k_hist)[1:].sum())
+    assert drafted[None] == drafted[1.0] > drafted[0.9] > 0, drafted
+
+
 def test_a_plain_round_samples_as_a_k0_round():
     """Sampled, a plain job (the drafter idle) gives exactly the tokens of a job whose every round is K = 0 (the
     drafter kept in step), whose exactness the chi-square test above covers: the same target pass and rule with the

@@ -4,9 +4,12 @@ The loop compiles one round per K in `ks` (`speculative.adaptive_rounds`; the ca
 the largest K) and picks one from data: the per-position acceptance rates measured so far and the measured cost
 of a round drafting each K, maximising expected tokens per unit of time (`specjax.analysis`). K = 0 is a plain
 autoregressive round inside the same loop (one token per round, at the cost of a one-token target pass), for
-where speculation loses, as a large batch on a machine whose multi-token passes are not nearly free. Where K = 0
-would be every round's choice from the start, the job runs plain: AR rounds that never call the drafter (a K = 0
-round still keeps the drafter in step, which costs a draft call a round).
+where speculation loses, as a large batch on a machine whose multi-token passes are not nearly free. Where a plain
+round (an AR round that never calls the drafter; a K = 0 round still keeps the drafter in step, which costs a draft
+call a round) would be the choice at the start, the job runs plain. Where later, as the acceptance measured in the
+job moves, a plain round beats the drafted round the loop would run, the job runs plain from there to its end; where
+the loop would run a K = 0 round it stays, keeping the drafter in step for a draft that pays again (a drafter whose
+K = 0 round costs a plain round's, n-gram or suffix lookup, never leaves).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Estimate:
     counts_2K: jax.Array  # EMAs of row-rounds (per row) that accepted / proposed draft position i < K_max
     choice: jax.Array  # [] index into `ks` of the next round's K
     measured: Measured
-    plain: jax.Array  # [] bool: every round of the job is a plain AR round, the drafter never called
+    plain: jax.Array  # [] bool: every round from now on is a plain AR round, the drafter never called again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,9 @@ class AdaptiveK:
       pseudo row-round and a fixed prior of 0.6 chased single rounds' noise, mostly into K = 1 in the first rounds
       of a prompt, and lost 3-5% of the best fixed K's tokens per unit of time.
     plain_cost: with K = 0 in `ks`, the time of a plain AR round (one that never calls the drafter; a K = 0 round
-      keeps the drafter in step). A job runs plain throughout when K = 0 at this cost is the best choice at its
-      start. None: measured with the costs (where they are measured), else never plain."""
+      keeps the drafter in step). A job runs plain from its start where K = 0 at this cost is the best choice then,
+      and from a later round where it beats that round's drafted K. None: measured with the costs (where they are
+      measured), else never plain."""
 
     ks: tuple[int, ...] = (1, 2, 4, 8)
     costs: tuple[float, ...] | None = None
@@ -186,5 +190,11 @@ class AdaptiveK:
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        choice = self.pick(counts_2K, remaining_B, estimate.measured)
-        return estimate.replace(counts_2K=counts_2K, choice=choice)
+        measured = estimate.measured
+        choice = self.pick(counts_2K, remaining_B, measured)
+        plain = estimate.plain
+        if self.ks[0] == 0:  # plain from here where a plain round beats the drafted K the loop would run
+            plain_costs = measured.costs.at[0].set(measured.plain_cost)
+            plain_wins = self.best(counts_2K, remaining_B, plain_costs, measured.prior) == 0
+            plain = plain | (plain_wins & (choice > 0) & (measured.forced < 0))
+        return estimate.replace(counts_2K=counts_2K, choice=choice, plain=plain)

@@ -26,7 +26,7 @@ from specjax.decoding.speculative import (
     SpecStats,
     calibrate,
     chosen_round,
-    plain_or_drafted,
+    drafted_then_plain,
     plain_round,
     speculative_round,
     when,
@@ -327,7 +327,9 @@ def _speculative_serve(
     def plain(loop, start_B, queue):
         return plain_round(graphdef, params, spec, loop, start_B + budget_N[queue.request_B], round_keys)
 
-    def rounds(one_round, start):  # the serving loop of `one_round`s, refilling ended slots from `start`
+    def rounds(
+        one_round, start
+    ):  # go_on -> the serving loop of `one_round`s, refilling ended slots from `start`
         def body(carry):
             loop, start_B, queue = carry
             live = ~loop.done_B
@@ -336,13 +338,18 @@ def _speculative_serve(
             (loop, start_B), queue = refill((loop, start_B), loop.done_B, queue, rows_from(start), place)
             return loop, start_B, queue
 
-        return lambda carry: jax.lax.while_loop(go_on, body, carry)
+        return lambda go: lambda carry: jax.lax.while_loop(go, body, carry)
 
     go_on = lambda carry: ~jnp.all(carry[0].done_B) | (carry[2].next < n)
-    # a plain job's refills neither tap features nor start the drafter, which it never calls (they cost it 9%
-    # of AR's time in a probe at batch 16 of the expanded stories260K)
-    loop, start_B, queue = plain_or_drafted(
-        spec.adaptive_k, loop.estimate, rounds(plain, begin_plain), rounds(drafted, begin), carry
+    # plain rounds' refills neither tap features nor start the drafter, never called again (they cost a plain job
+    # 9% of AR's time in a probe at batch 16 of the expanded stories260K)
+    loop, start_B, queue = drafted_then_plain(
+        spec.adaptive_k,
+        rounds(drafted, begin),
+        rounds(plain, begin_plain),
+        go_on,
+        lambda c: c[0].estimate,
+        carry,
     )
     return Served(queue.out_NT, queue.n_out_N, loop.stats.rounds, loop.stats, queue.end_N)
 

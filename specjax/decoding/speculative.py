@@ -235,13 +235,14 @@ def plain_round(graphdef, params, spec, loop: LoopState, limit_B, keys):
     return commit(loop, empty.layout, verdict, cache, spec, limit_B)
 
 
-def plain_or_drafted(adaptive: AdaptiveK | None, estimate, plain, drafted, carry):
-    """`plain(carry)` where adaptive K chose a plain job at its start (`AdaptiveK.zeros`; only with K = 0 in its
-    set), else `drafted(carry)`: one choice for the whole loop (a branch per round would copy the caches each
-    round)."""
+def drafted_then_plain(adaptive: AdaptiveK | None, drafted, plain, go_on, estimate_of, carry):
+    """`drafted(go_on')(carry)` until adaptive K runs plain (`Estimate.plain`, at the start or later; only with K = 0
+    in its set), then `plain(go_on)` on what is left: two loops one after the other (a branch per round would copy
+    the caches each round)."""
     if adaptive is None or adaptive.ks[0] != 0:
-        return drafted(carry)
-    return jax.lax.cond(estimate.plain, plain, drafted, carry)
+        return drafted(go_on)(carry)
+    carry = drafted(lambda c: go_on(c) & ~estimate_of(c).plain)(carry)
+    return plain(go_on)(carry)
 
 
 def chosen_round(graphdef, params, drafter, drafter_params, spec, loop: LoopState, limit_B, keys, backlog):
@@ -339,10 +340,10 @@ def _speculative(cfg, graphdef, params, drafter, drafter_params, tokens_BP, leng
         until = lambda lp: jnp.where(measured.forced >= 0, timed(lp), go_on(lp))
         choose = lambda lp: spec.adaptive_k.choose(lp.estimate)
         args = (graphdef, params, drafter, drafter_params, spec)
-        drafted = lambda lp: adaptive_rounds(*args, lp, limit, round_keys, until, choose)
+        drafted = lambda go: lambda lp: adaptive_rounds(*args, lp, limit, round_keys, go, choose)
         plain_one = lambda lp: plain_round(graphdef, params, spec, lp, limit, round_keys)
-        plain = lambda lp: jax.lax.while_loop(until, plain_one, lp)
-        loop = plain_or_drafted(spec.adaptive_k, loop.estimate, plain, drafted, loop)
+        plain = lambda go: lambda lp: jax.lax.while_loop(go, plain_one, lp)
+        loop = drafted_then_plain(spec.adaptive_k, drafted, plain, until, lambda lp: lp.estimate, loop)
     n_new = spec.max_new_tokens
     out = jnp.take_along_axis(loop.seq_BS, lengths_B[:, None] + jnp.arange(n_new)[None], axis=1)
     n_out = loop.n_tokens_B - lengths_B

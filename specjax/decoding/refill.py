@@ -327,9 +327,8 @@ def _speculative_serve(
     def plain(loop, start_B, queue):
         return plain_round(graphdef, params, spec, loop, start_B + budget_N[queue.request_B], round_keys)
 
-    def rounds(
-        one_round, start
-    ):  # go_on -> the serving loop of `one_round`s, refilling ended slots from `start`
+    # go_on -> the serving loop of `one_round`s, refilling ended slots from `start`
+    def rounds(one_round, start):
         def body(carry):
             loop, start_B, queue = carry
             live = ~loop.done_B

@@ -228,7 +228,7 @@ def round_at(graphdef, params, drafter, drafter_params, spec, k: int):
 
 def plain_round(graphdef, params, spec, loop: LoopState, limit_B, keys):
     """A plain AR round on the loop state: the target's token after the pending one, as a K = 0 round verifies it,
-    with no draft and no word to the drafter (a job that runs plain never drafts)."""
+    with no draft and no word to the drafter (once a job runs plain it never drafts again)."""
     pending = loop.pending_B
     empty = Draft(jnp.zeros((pending.shape[0], 0), jnp.int32), None, ChainLayout(0))
     verdict, cache = verify(graphdef, params, spec, empty, pending, loop.cache, keys[loop.stats.rounds][1])

@@ -257,23 +257,30 @@ def test_k0_is_an_ar_round_taken_where_drafts_do_not_pay(right_then_wrong):
         assert np.asarray(gen.stats.k_hist)[0] == ar_rounds, gen.stats.k_hist
 
 
-def test_a_job_runs_plain_where_a_plain_round_wins_from_its_start(right_then_wrong):
-    """At a prior of 0.6, K = 1 (1.6 tokens for 1.2) beats a K = 0 round (1 for 1), so the loop drafts (its drafts
-    are always right); a plain round at half a K = 0 round's cost (2 tokens per unit) beats every K at the start, so
-    the whole job runs plain, K = 0 in every row-round. Greedy output is AR's both ways; a plain cost above the
-    K = 0 round's changes nothing."""
+def k_hists_by_plain_cost(right_then_wrong, right_for: int, plain_costs) -> dict:
+    """{plain cost: row-rounds by K} of greedy jobs on the tiny target drafting from AR's tokens, right for each
+    row's first `right_for` tokens (K in 0, 1, 8 at costs 1.0, 1.2, 2.6, prior 0.6); each gives AR's tokens."""
     graphdef, params = TARGET
-    spec, ar, greedy, _ = ar_and_greedy()
-    dparams = (jnp.asarray(greedy), jnp.full(len(RAGGED), 1000))
+    spec, ar, greedy, lengths = ar_and_greedy()
+    dparams = (jnp.asarray(greedy), jnp.asarray(lengths + right_for))
     drafter = right_then_wrong.build(None, None, 8, None, None)[0]
     hists = {}
-    for plain_cost in (None, 0.5, 1.5):
+    for plain_cost in plain_costs:
         adaptive = AdaptiveK((0, 1, 8), (1.0, 1.2, 2.6), prior=0.6, plain_cost=plain_cost)
         gen = speculative_generate(
             TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec, adaptive)
         )
         np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
         hists[plain_cost] = np.asarray(gen.stats.k_hist).tolist()
+    return hists
+
+
+def test_a_job_runs_plain_where_a_plain_round_wins_from_its_start(right_then_wrong):
+    """At a prior of 0.6, K = 1 (1.6 tokens for 1.2) beats a K = 0 round (1 for 1), so the loop drafts (its drafts
+    are always right); a plain round at half a K = 0 round's cost (2 tokens per unit) beats every K at the start, so
+    the whole job runs plain, K = 0 in every row-round. Greedy output is AR's both ways; a plain cost above the
+    K = 0 round's changes nothing."""
+    hists = k_hists_by_plain_cost(right_then_wrong, 1000, (None, 0.5, 1.5))
     assert hists[0.5] == [63 * 4] + [0] * 8, hists
     # drafted: the accepted drafts leave fewer than two thirds of the plain job's row-rounds
     assert hists[None] == hists[1.5] and sum(hists[None]) < 63 * 4 * 2 / 3, hists
@@ -285,18 +292,8 @@ def test_a_job_turns_plain_where_its_acceptance_falls_below_what_a_plain_round_p
     would still draft (a K = 0 round, 1 for 1, is worse than both), it runs plain to its end. Without a plain round,
     or with one that costs a K = 0 round's (where the loop would sooner run K = 0 rounds, keeping the drafter in step),
     it drafts K = 1 longer. Greedy output is AR's every way."""
-    graphdef, params = TARGET
-    spec, ar, greedy, lengths = ar_and_greedy()
-    dparams = (jnp.asarray(greedy), jnp.asarray(lengths + 8))
-    drafter = right_then_wrong.build(None, None, 8, None, None)[0]
-    drafted = {}
-    for plain_cost in (None, 0.9, 1.0):
-        adaptive = AdaptiveK((0, 1, 8), (1.0, 1.2, 2.6), prior=0.6, plain_cost=plain_cost)
-        gen = speculative_generate(
-            TINY, graphdef, params, drafter, dparams, RAGGED, adaptive_spec(spec, adaptive)
-        )
-        np.testing.assert_array_equal(np.asarray(gen.tokens), ar)
-        drafted[plain_cost] = int(np.asarray(gen.stats.k_hist)[1:].sum())
+    hists = k_hists_by_plain_cost(right_then_wrong, 8, (None, 0.9, 1.0))
+    drafted = {plain_cost: sum(hist[1:]) for plain_cost, hist in hists.items()}
     assert drafted[None] == drafted[1.0] > drafted[0.9] > 0, drafted
 
 

@@ -146,11 +146,7 @@ class AdaptiveK:
         """The estimate before any round, with `remaining_B` tokens to emit in each row (0: done), and whether the
         job runs plain: K = 0 at a plain round's cost is the best choice now."""
         counts_2K = jnp.zeros((2, self.k_max), jnp.float32)
-        choice = self.pick(counts_2K, remaining_B, measured)
-        plain = jnp.bool_(False)
-        if self.ks[0] == 0:
-            plain_costs = measured.costs.at[0].set(measured.plain_cost)
-            plain = self.best(counts_2K, remaining_B, plain_costs, measured.prior) == 0
+        choice, plain = self.decide(counts_2K, remaining_B, measured)
         return Estimate(counts_2K, choice, measured, plain)
 
     def alpha(self, estimate_2K, prior):
@@ -164,18 +160,27 @@ class AdaptiveK:
     def pick(self, counts_2K, remaining_B, measured: Measured):
         """[] index into `ks` of the best K for rows with `remaining_B` tokens left (the smaller on ties), or the
         forced one."""
-        best = self.best(counts_2K, remaining_B, measured.costs, measured.prior)
-        return jnp.where(measured.forced >= 0, measured.forced, best)
+        return self.decide(counts_2K, remaining_B, measured)[0]
 
-    def best(self, counts_2K, remaining_B, costs, prior):
-        """[] index into `ks` of the K whose expected rounds to finish x `costs` is least (the smaller on ties)."""
+    def decide(self, counts_2K, remaining_B, measured: Measured):
+        """(`pick`'s K, [] whether K = 0 at a plain round's cost would be the best choice instead: never without
+        K = 0 in the set), from one evaluation of each K's expected rounds to finish x its cost."""
+        rounds = self.expected_rounds(counts_2K, remaining_B, measured.prior)
+        best = jnp.argmin(rounds * measured.costs).astype(jnp.int32)
+        choice = jnp.where(measured.forced >= 0, measured.forced, best)
+        if self.ks[0] != 0:
+            return choice, jnp.bool_(False)
+        return choice, jnp.argmin(rounds * measured.costs.at[0].set(measured.plain_cost)) == 0
+
+    def expected_rounds(self, counts_2K, remaining_B, prior):
+        """[len(ks)] the expected rounds until every row has its `remaining_B` tokens, each round drafting ks[i]."""
         tokens_KJ = tokens_per_round_distributions(self.alpha(counts_2K, prior))
         drafting = jnp.asarray([k - 1 for k in self.ks if k > 0])
         # every K at once: a round runs this, and a few batched operations cost less than a few per K
         rounds = jax.vmap(expected_rounds_to_finish, (0, None))(tokens_KJ[drafting], remaining_B)
         if self.ks[0] == 0:  # K = 0: a token a round
             rounds = jnp.concatenate([jnp.max(remaining_B).astype(jnp.float32)[None], rounds])
-        return jnp.argmin(rounds * costs).astype(jnp.int32)
+        return rounds
 
     def choose(self, estimate: Estimate):
         """[] index into `ks` of this round's K, picked when the round before was observed."""
@@ -190,11 +195,7 @@ class AdaptiveK:
         live = active_B[:, None] & (pos < k)
         counts = jnp.stack([jnp.sum(live & (n > pos), 0), jnp.sum(live & (n >= pos), 0)])
         counts_2K = self.decay * estimate.counts_2K + counts.astype(jnp.float32) / n_accepted_B.shape[0]
-        measured = estimate.measured
-        choice = self.pick(counts_2K, remaining_B, measured)
-        plain = estimate.plain
-        if self.ks[0] == 0:  # plain from here where a plain round beats the drafted K the loop would run
-            plain_costs = measured.costs.at[0].set(measured.plain_cost)
-            plain_wins = self.best(counts_2K, remaining_B, plain_costs, measured.prior) == 0
-            plain = plain | (plain_wins & (choice > 0) & (measured.forced < 0))
+        choice, plain_wins = self.decide(counts_2K, remaining_B, estimate.measured)
+        # plain from here where a plain round beats the drafted K the loop would run
+        plain = estimate.plain | (plain_wins & (choice > 0) & (estimate.measured.forced < 0))
         return estimate.replace(counts_2K=counts_2K, choice=choice, plain=plain)

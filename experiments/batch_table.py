@@ -7,16 +7,18 @@ policy (EAGLE-3 with each round's K chosen on device among 0 (an AR round), 1, 2
 measured at that batch before the loop, or the whole job plain where a plain AR round wins from the start:
 `AdaptiveK`), each run batch after batch and with slots refilled inside the compiled loop
 (`specjax.decoding.refill`). Columns: tokens/s over the whole set and the speedup over AR run the same way (medians
-of runs timed in turns), loop rounds, each request's latency (the time of the round that made its last token, at the
-run's mean time per round; p50 and p90), and the prediction of `specjax.analysis`: rounds from each request's tokens
-and its own acceptance (as decoded batch after batch: greedy, the same drafts in both modes; batch after batch,
-each batch until its slowest row ends; refilled, the slot schedule `refill_schedule`), priced at the costs measured
-at that batch (a round: K head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills)
-in the same turns as the decodes (a turn's prediction against that turn's time: the machine's speed drifts by 10-30%
-between minutes; each pass the median of 3 timed loops after an untimed one: the fastest predicted 10-15% too little
-at batch 1, and a loop's first call after another program runs slower), against the measured time; and the
-drafters' rounds priced at the speculative loop's own round at that batch (everything a round does besides its
-passes: acceptance, the commit, the head's state, n-gram's lookup). The policy's rounds change K: it has no prediction.
+of runs timed in turns), the prefills' share of the time and the speedup of the time after them (the prefills,
+priced at the costs below, are the same work for every method: they cap the speedup over the whole set), loop
+rounds, each request's latency (the time of the round that made its last token, at the run's mean time per round;
+p50 and p90), and the prediction of `specjax.analysis`: rounds from each request's tokens and its own acceptance (as
+decoded batch after batch: greedy, the same drafts in both modes; batch after batch, each batch until its slowest
+row ends; refilled, the slot schedule `refill_schedule`), priced at the costs measured at that batch (a round: K
+head calls and a (K + 1)-token pass, each with its job's own static cache; the prefills) in the same turns as the
+decodes (a turn's prediction against that turn's time: the machine's speed drifts by 10-30% between minutes; each
+pass the median of 3 timed loops after an untimed one: the fastest predicted 10-15% too little at batch 1, and a
+loop's first call after another program runs slower), against the measured time; and the drafters' rounds priced at
+the speculative loop's own round at that batch (everything a round does besides its passes: acceptance, the commit,
+the head's state, n-gram's lookup). The policy's rounds change K: it has no prediction.
 
     .venv/bin/python -m experiments.batch_table [--batches=1,2,4,8,16] [--prompts=64] [--k=4] [--repeats=2]
 """
@@ -221,11 +223,17 @@ def predicted_seconds(
     groups = [np.arange(i, min(i + b, len(n))) for i in range(0, len(n), b)]
     if mode == "refill":
         rounds = analysis.refill_schedule(each, b)[0]
-        prefill_s = cost["prefill"] + cost["refills"]
     else:
         rounds = sum(batch_rounds(rows) for rows in groups)
-        prefill_s = len(groups) * cost["prefill"]
-    return rounds, rounds * round_s + prefill_s
+    return rounds, rounds * round_s + prefill_seconds(mode, len(n), b, cost)
+
+
+def prefill_seconds(mode: str, n_requests: int, b: int, cost: dict) -> float:
+    """The prefills' seconds of a job of `n_requests` at batch b in `mode`, the same for every method: one prefill
+    of b rows a batch after batch, or the opening one and the refilled prompts' one-row prefills."""
+    if mode == "refill":
+        return cost["prefill"] + cost["refills"]
+    return -(-n_requests // b) * cost["prefill"]
 
 
 def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> list[dict]:
@@ -280,9 +288,15 @@ def rows_at(settings: Settings, target, loaded, prompts, stop: int, b: int) -> l
         same = np.array_equal(run.lengths, first.lengths) and np.array_equal(run.tokens, first.tokens)
         latency = seconds * run.ends / max(run.rounds, 1)
         row = dict(batch=b, method=method, mode=mode, tokens=int(run.lengths.sum()), rounds=run.rounds)
+        # the prefills' share of the time and the speedup of what follows them (each turn's measured time less its
+        # priced prefills: the same work for every method, which caps the speedup over the whole set)
+        prefill_s = [prefill_seconds(mode, len(prompts), b, cost) for cost in turns]
+        after = lambda t: [x - p for x, p in zip(t, prefill_s)]
         row |= dict(
             tok_s=run.lengths.sum() / seconds,
             speedup=harness.ratio(times[("AR", mode)], times[(method, mode)]),
+            prefill_share=statistics.median(p / x for p, x in zip(prefill_s, times[(method, mode)])),
+            decode_speedup=harness.ratio(after(times[("AR", mode)]), after(times[(method, mode)])),
         )
         row |= dict(
             latency_p50_s=float(np.median(latency)), latency_p90_s=float(np.percentile(latency, 90))
@@ -335,7 +349,8 @@ def table(out: harness.Writer, settings: Settings) -> list[dict]:
         "at that batch in the same turns, plus the prefills; measured_over_predicted = median over turns of "
         "predicted time / measured time; *_loop_*: a "
         "round priced at the speculative loop's own round at that batch (timed from the start of the first batch's "
-        "job), loop_round_over_passes = that round / its passes",
+        "job), loop_round_over_passes = that round / its passes; prefill_share: the prefills' priced time / the "
+        "measured time, decode_speedup: the speedup over AR of the time after them",
     )
     return rows
 

@@ -201,7 +201,7 @@ def test_batch_table_predicts_ar_rounds_exactly_in_both_modes(stories, story_job
         assert rounds == run.rounds and run.ends.max() == run.rounds
         prefills = -(-len(prompts) // 3) * 10.0 if mode == "batch after batch" else 10.0 + 400.0
         assert seconds == rounds + prefills
-        assert batch_table.prefill_seconds(mode, len(prompts), 3, cost) == prefills  # every method's
+        assert batch_table.prefill_seconds(mode, len(prompts), 3, cost) == prefills
     bab, refilled = runs["batch after batch"], runs["refill"]
     assert (
         bab.ends.tolist()[:3] == (lengths[:3] - 1).tolist()

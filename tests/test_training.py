@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from children import child_env, cpu_env
@@ -172,10 +173,35 @@ def test_init_from_starts_a_run_from_trained_heads(target_dir, corpus, tmp_path,
         trainer.train(config, tmp_path / "refused")
 
 
+def dflash_block_outputs(stories, meta, params, text="Once upon a time there was a little dog"):
+    """A DFlash head's block logits (Markov-biased) and confidence logits after `text`'s context."""
+    from flax import nnx
+
+    from specjax.drafters.dflash import dflash_block, dflash_extend, draft_config
+    from specjax.models.llama import init_cache
+    from specjax.training.losses import target_features
+
+    graphdef = heads.new_heads(meta, stories.cfg, stories.params)[0]
+    tokens = jnp.asarray([stories.tokenizer.encode(text)], jnp.int32)
+    n, block = tokens.shape[1] - 1, meta["shape"]["block_size"]
+    feats = target_features(
+        stories.cfg, stories.graphdef, stories.params, tokens, tuple(meta["shape"]["layers"])
+    )
+    dparams = heads.drafter_params(meta, params, stories.cfg, stories.params)
+    cache = init_cache(draft_config(stories.cfg, meta["shape"]), 1, 32)
+    taps = feats[:, :n, : len(meta["shape"]["layers"]) * stories.cfg.dim]
+    cache = dflash_extend(graphdef, dparams, taps, jnp.arange(n)[None], cache).with_length(jnp.array([n]))
+    tokens_B = jnp.concatenate([tokens[:, n:], jnp.zeros((1, block - 1), jnp.int32)], 1)
+    logits, x = dflash_block(graphdef, dparams, tokens_B, n + jnp.arange(block)[None], cache)
+    head = nnx.merge(graphdef, dparams["head"])
+    return jnp.concatenate([logits + head.bias(tokens_B), head.acceptance(x, tokens_B)], -1)
+
+
 def test_init_from_takes_heads_with_the_same_arrays(stories):
     """A DFlash run at block 8 may start from the committed head trained at block 16 (a block size changes no array)
-    and gets its parameters; a run of another depth may not, nor one tapping other target layers (the same arrays,
-    meaning other features)."""
+    and gets its parameters; a deeper run starts from them with its new layer silent, drafting what they draft (a
+    control: the same layer not silenced drafts otherwise); a shallower run may not, nor one tapping other target
+    layers (the same arrays, meaning other features)."""
     source = REPO / "heads" / "stories260K_dflash_tvd"
     theirs = heads.read_meta(source)
     _, _, committed = heads.load_heads(source, stories.cfg, stories.params)
@@ -189,6 +215,18 @@ def test_init_from_takes_heads_with_the_same_arrays(stories):
     block8 = json.loads(json.dumps(theirs))
     block8["shape"]["block_size"] = 8
     jax.tree.map(np.testing.assert_array_equal, committed, start(block8))
+    deeper = json.loads(json.dumps(theirs))
+    deeper["shape"]["n_layers"] = 3
+    grown, fresh = start(deeper), heads.new_heads(deeper, stories.cfg, stories.params)[1]
+    jax.tree.map(np.testing.assert_array_equal, {**grown, "layers": {}}, {**committed, "layers": {}})
+    jax.tree.map(np.testing.assert_array_equal, grown["layers"][1], committed["layers"][1])
+    new_layer = grown["layers"][2]
+    assert not np.any(new_layer["wo"]["weight"]) and not np.any(new_layer["w_down"]["weight"])
+    drafted = dflash_block_outputs(stories, theirs, committed)
+    depth = forward_depth(3)
+    assert_close(dflash_block_outputs(stories, deeper, grown), drafted, dtype=np.float32, depth=depth)
+    unsilenced = {**grown, "layers": {**grown["layers"], 2: fresh["layers"][2]}}
+    assert_far(dflash_block_outputs(stories, deeper, unsilenced), drafted, dtype=np.float32, depth=depth)
     shallower = json.loads(json.dumps(theirs))
     shallower["shape"]["n_layers"] = 1
     with pytest.raises(TrainingConfigError, match="init_from=.* holds other heads .*'n_layers': 2"):

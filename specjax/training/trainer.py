@@ -150,11 +150,37 @@ def make_train_step(loss, optimizer, config, dtype, resample=None):
     return train_step
 
 
+def deepened(trained, fresh, n_trained: int):
+    """`fresh` (heads of more decoder layers) with `trained`'s arrays wherever it has them: the layers after its
+    `n_trained` keep their fresh weights but write nothing to the residual stream (attention and MLP outputs at zero),
+    so the deeper heads start as the trained ones and draft the same tokens."""
+
+    def silent(layer):
+        if not {"wo", "w_down"} <= layer.keys():
+            raise TrainingConfigError(
+                f"train.init_from: cannot deepen heads whose layers have no dense attention and MLP outputs "
+                f"(wo, w_down; these have {sorted(layer)}); train the deeper heads from the start"
+            )
+        return {
+            n: jax.tree.map(jnp.zeros_like, a) if n in ("wo", "w_down") else a for n, a in layer.items()
+        }
+
+    layers = {
+        i: trained["layers"][i] if i < n_trained else silent(layer) for i, layer in fresh["layers"].items()
+    }
+    return {**fresh, **trained, "layers": layers}
+
+
 def start_from(source: str, meta: dict, params, cfg, target_params):
     """The parameters of the heads in `source` (`train.init_from`), which must be heads of this run's method and
     target with the arrays of `params` (this run's fresh heads): settings that change no array, as a DFlash head's
-    block size, may differ."""
+    block size, may differ, and a run of more decoder layers (`n_layers`) starts from them `deepened`."""
     theirs = heads.read_meta(Path(source))
+    depth = (theirs["shape"].get("n_layers"), meta["shape"].get("n_layers"))
+    deeper = None not in depth and depth[0] < depth[1] and isinstance(params.get("layers"), dict)
+    if deeper:  # compared as the trained heads' depth
+        meta = {**meta, "shape": {**meta["shape"], "n_layers": depth[0]}}
+        fresh, params = params, heads.new_heads(meta, cfg, target_params)[1]
     if theirs != meta:
         shapes = lambda tree: (
             jax.tree.structure(tree),
@@ -181,7 +207,11 @@ def start_from(source: str, meta: dict, params, cfg, target_params):
             )
         logging.info("the heads in %s have the same arrays; (those, these) differ in %s", source, diff)
     logging.info("starting from the heads in %s, with a fresh optimiser", source)
-    return heads.load_heads(source, cfg, target_params)[2]
+    trained = heads.load_heads(source, cfg, target_params)[2]
+    if deeper:
+        logging.info("deepened from %d to %d decoder layers (the new ones start silent)", *depth)
+        return deepened(trained, fresh, depth[0])
+    return trained
 
 
 def _logged_step(line: str) -> int | None:
